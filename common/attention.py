@@ -1,0 +1,184 @@
+"""Attention over the paged KV cache: one layout, two backends behind one interface.
+
+Cache layout (see docs/ARCHITECTURE.md): the whole cache is one tensor
+``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``; a layer sees
+``(2, num_blocks, block_size, num_kv_heads, head_dim)``. Each layer first writes the step's new K/V
+into their slots, then attends over everything in the cache, so prefix hits and earlier prompt
+chunks need no special case.
+
+- ``TorchAttentionBackend``: plain PyTorch, runs anywhere; it is the reference.
+- ``TritonAttentionBackend``: the kernels of ``kernels/`` (CUDA, or CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerHooks(Protocol):
+    """Per-layer callbacks of the KV connector (layer-wise load and save)."""
+
+    def before_layer(self, layer: int) -> None: ...
+
+    def after_layer(self, layer: int, kv_layer: torch.Tensor) -> None: ...
+
+
+@dataclass
+class AttentionMetadata:
+    """Inputs of every attention layer for one flat mixed batch of ``S`` sequences, ``T`` tokens.
+
+    Device tensors: ``query_start_loc (S+1,) int32``, ``seq_lens (S,) int32``,
+    ``block_tables (S, max_blocks) int32`` (padded with 0), ``slot_mapping (T,) int64``
+    (-1 = do not write). Host lists ``query_lens``/``seq_lens_cpu`` serve the torch path.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    hooks: LayerHooks | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store ``key``/``value`` ``(T, Hkv, D)`` into ``kv_layer`` at ``meta.slot_mapping``."""
+
+    def attend(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of ``query (T, H, D)`` over the cache. Returns ``(T, H, D)``."""
+
+
+class TorchAttentionBackend:
+    """Reference path: gathers each sequence's blocks and calls SDPA (batched for decodes)."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, kv_layer, meta) -> None:
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+        flat = kv_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        slots = meta.slot_mapping
+        if int(slots.min()) < 0:  # padding tokens: drop them
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        flat[0].index_copy_(0, slots, key)
+        flat[1].index_copy_(0, slots, value)
+
+    def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
+        out = torch.empty_like(query)
+        starts = meta.query_start_loc.tolist() if meta.max_query_len > 1 else None
+        decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        if len(decode_rows) == meta.num_seqs:
+            return self._decode(query, kv_layer, meta, list(range(meta.num_seqs)), scale)
+        assert starts is not None
+        if decode_rows:
+            token_idx = [starts[i] for i in decode_rows]
+            out[token_idx] = self._decode(query[token_idx], kv_layer, meta, decode_rows, scale)
+        for i, n in enumerate(meta.query_lens):
+            if n > 1:
+                lo = starts[i]
+                out[lo : lo + n] = self._prefill(query[lo : lo + n], kv_layer, meta, i, scale)
+        return out
+
+    def _gather(self, kv_layer, block_table: torch.Tensor, length: int):
+        """K, V of one or more sequences: ``(..., num_blocks * block_size, Hkv, D)``."""
+        k = kv_layer[0][block_table].flatten(-4, -3)[..., :length, :, :]
+        v = kv_layer[1][block_table].flatten(-4, -3)[..., :length, :, :]
+        return k, v
+
+    def _prefill(self, q, kv_layer, meta, seq: int, scale: float) -> torch.Tensor:
+        seq_len, q_len = meta.seq_lens_cpu[seq], meta.query_lens[seq]
+        num_blocks = -(-seq_len // kv_layer.shape[2])
+        k, v = self._gather(kv_layer, meta.block_tables[seq, :num_blocks], seq_len)
+        mask = None
+        if q_len != seq_len:  # queries sit at the end of the context
+            pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = pos_q[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # (H, q_len, D)
+            k.transpose(0, 1),  # (Hkv, seq_len, D)
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.transpose(0, 1)
+
+    def _decode(self, q, kv_layer, meta, rows: list[int], scale: float) -> torch.Tensor:
+        lens = [meta.seq_lens_cpu[i] for i in rows]
+        max_len = max(lens)
+        num_blocks = -(-max_len // kv_layer.shape[2])
+        tables = meta.block_tables[rows, :num_blocks]
+        k, v = self._gather(kv_layer, tables, max_len)  # (S, L, Hkv, D)
+        lens_t = torch.tensor(lens, device=q.device)
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # (S, L)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # (S, H, 1, D)
+            k.transpose(1, 2),  # (S, Hkv, L, D)
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
+
+
+class TritonAttentionBackend:
+    """The Triton kernels of ``kernels/`` (CUDA; CPU only under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        import kernels  # imported lazily: CPU-only users never need triton
+
+        self._k = kernels
+
+    def write_kv(self, key, value, kv_layer, meta) -> None:
+        self._k.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
+
+    def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
+        if meta.max_query_len == 1:
+            return self._k.paged_decode_attention(
+                query, kv_layer, meta.block_tables, meta.seq_lens, scale
+            )
+        return self._k.paged_prefill_attention(
+            query,
+            kv_layer,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.max_query_len,
+            scale,
+        )
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto``: Triton on CUDA, PyTorch elsewhere; ``torch``/``triton`` force one."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,128 @@
+"""Engine configuration: one small frozen dataclass per component, validated at construction.
+
+Environment overrides (``PDSERVE_*``) are read once, in :func:`env_overrides`, and never deep
+inside a component.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and how. ``model`` is a built-in name or an HF directory."""
+
+    model: str = "tiny-llama"
+    dtype: DTypeName = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0  # seeds dummy weights and the engine's source of per-request seeds
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. ``num_blocks`` wins over ``kv_cache_memory_gb`` when both are set."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None  # None: 0.5 GiB on CPU, 90% of free memory on GPU
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits, per engine step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_waiting: int = 4096  # admission bound; over it add_request raises QueueFullError
+    max_n: int = 16  # cap of SamplingParams.n
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_waiting < 1 or self.max_n < 1:
+            raise ValueError("max_waiting and max_n must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine instance needs; components receive only their own part."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    kv_store: str | None = None  # redis://… or file:///…
+    kv_role: Literal["producer", "consumer", "both"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.kv_role is not None and self.kv_role not in ("producer", "consumer", "both"):
+            raise ValueError(f"kv_role must be producer, consumer or both, got {self.kv_role!r}")
+        if self.kv_role is not None and self.kv_store is None:
+            raise ValueError("kv_role needs kv_store (redis://… or file:///…)")
+
+    @staticmethod
+    def from_kwargs(**kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(model=..., block_size=..., ...)``)."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        top: dict[str, Any] = {}
+        top_names = {f.name for f in fields(EngineConfig)} - set(classes)
+        for key, value in kwargs.items():
+            owner = next((p for p, c in classes.items() if key in _field_names(c)), None)
+            if owner is not None:
+                parts[owner][key] = value
+            elif key in top_names:
+                top[key] = value
+            else:
+                raise ValueError(f"unknown engine argument {key!r}")
+        return EngineConfig(
+            model=ModelConfig(**parts["model"]),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+            **top,
+        )
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+def env_overrides(prefix: str = "PDSERVE_") -> dict[str, str]:
+    """``PDSERVE_FOO_BAR=1`` → ``{"foo_bar": "1"}``; read once at start-up by the CLI."""
+    return {k[len(prefix) :].lower(): v for k, v in os.environ.items() if k.startswith(prefix)}

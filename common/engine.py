@@ -1,0 +1,196 @@
+"""The engine core: validate and admit requests, then ``step()`` = schedule → execute → update.
+
+One ``EngineCore`` runs in one process (the offline ``LLM``, or a node's engine-core process).
+It works in token ids only; text belongs to the caller (``LLM``'s output processor, the router).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+from common.config import EngineConfig
+from common.kv_cache_manager import KVCacheManager, cdiv
+from common.model_runner import ModelRunner
+from common.models.loader import read_hf_config
+from common.models.tiny import resolve_model_path
+from common.request import Request, RequestStatus
+from common.sampling_params import SamplingParams
+from common.scheduler import EngineCoreOutput, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is over its bound (``SchedulerConfig.max_waiting``)."""
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` (>= 1) of an ``n > 1`` request: distinct, reproducible."""
+    digest = hashlib.sha256(f"pdserve-sample:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_path(config.model.model)
+        self.hf_config = read_hf_config(self.model_dir)
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(
+            self.model_dir,
+            self.hf_config,
+            dtype=config.model.dtype,
+            device=config.device,
+            attention_backend=config.attention_backend,
+            cache_config=config.cache,
+            max_model_len=self.max_model_len,
+            load_format=config.model.load_format,
+            seed=config.model.seed,
+        )
+        self.block_size = config.cache.block_size
+        self._check_cache_fits()
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, self.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+        self._seeds = random.Random(config.model.seed)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        limit = int(self.hf_config.get("max_position_embeddings", 2048))
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds the model's limit {limit}")
+        return asked or limit
+
+    def _check_cache_fits(self) -> None:
+        need = cdiv(self.max_model_len, self.block_size)
+        if self.runner.num_blocks < need:
+            raise ValueError(
+                f"KV cache has {self.runner.num_blocks} blocks but one request of max_model_len="
+                f"{self.max_model_len} needs {need}: raise the cache budget or lower max_model_len"
+            )
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: Any = None
+        gen = Path(self.model_dir) / "generation_config.json"
+        if gen.is_file():
+            ids = json.loads(gen.read_text()).get("eos_token_id")
+        if ids is None:
+            ids = self.hf_config.get("eos_token_id")
+        if ids is None:
+            return []
+        return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
+        """Validate and queue. Raises ValueError on bad input, QueueFullError when over bound.
+
+        ``output_token_ids`` resumes a request elsewhere: they count as already generated.
+        """
+        self._validate(request_id, prompt_token_ids, params, output_token_ids or [])
+        if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.scheduler.num_waiting} requests)")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        parent = self._make_request(
+            request_id, prompt_token_ids, params, seed, priority, arrival_time, output_token_ids
+        )
+        children = [
+            self._make_request(
+                f"{request_id}#{i}",
+                prompt_token_ids,
+                params,
+                child_seed(seed, i),
+                priority,
+                parent.arrival_time,
+                None,
+            )
+            for i in range(1, params.n)
+        ]
+        self.scheduler.add_request(parent, children)
+
+    def _make_request(
+        self, request_id, prompt, params, seed, priority, arrival, outputs
+    ) -> Request:
+        extra_eos = self.eos_token_ids[1:]
+        if extra_eos and not params.ignore_eos:
+            stop_ids = list(dict.fromkeys([*params.stop_token_ids, *extra_eos]))
+            params = SamplingParams(**{**params.__dict__, "stop_token_ids": stop_ids})
+        room = self.max_model_len - len(prompt)
+        max_tokens = min(params.max_tokens or room, room)
+        return Request(
+            request_id,
+            prompt,
+            params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            block_size=self.block_size,
+            seed=seed,
+            priority=priority,
+            arrival_time=arrival,
+            max_tokens=max_tokens,
+            output_token_ids=outputs,
+        )
+
+    def _validate(self, request_id, prompt, params: SamplingParams, outputs: list[int]) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in (*prompt, *outputs) if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        total = len(prompt) + len(outputs)
+        if total >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {total} tokens leaves no room to generate: max_model_len is"
+                f" {self.max_model_len}"
+            )
+        if params.n > self.config.scheduler.max_n:
+            raise ValueError(f"n={params.n} is over its cap of {self.config.scheduler.max_n}")
+        if outputs and params.n > 1:
+            raise ValueError("resuming a request (output_token_ids) needs n == 1")
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort in any state; blocks are freed at once."""
+        parents = set(request_ids)  # samples 2..n of a request are "<id>#<i>"
+        ids = [rid for rid in self.scheduler.requests if rid.split("#")[0] in parents]
+        self.scheduler.finish_requests([*parents, *ids], RequestStatus.FINISHED_ABORTED)
+
+    def finish_stopped(self, request_ids: list[str]) -> None:
+        """End requests the caller found finished (stop strings)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        sampled = self.runner.execute(sched_out)
+        return self.scheduler.update_from_output(sched_out, sampled)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks

@@ -1,0 +1,157 @@
+"""The KV cache manager: the only owner of block tables.
+
+It turns "request R needs N more token slots" into physical block ids, finds prefix-cache hits
+by chained block hashes, shares blocks between ``n > 1`` samples (ref counts) and copies a
+shared partial block before one of them writes into it (copy-on-write). Plain ints, no tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from common.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
+from common.request import Request
+
+
+class ComputedBlocks(NamedTuple):
+    """A prefix-cache hit: blocks whose KV is already in the cache, and the tokens they cover."""
+
+    blocks: list[KVCacheBlock]
+    num_tokens: int
+
+
+NO_HIT = ComputedBlocks([], 0)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached: dict[str, int] = {}  # request id → leading blocks registered in cache
+        self.stats = PrefixCacheStats()
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies owed by copy-on-write
+
+    # -- queries (no side effects) ------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def find_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix of ``request`` in full blocks. Does not modify the cache.
+
+        At least one token is always left to compute: its logits give the next token.
+        """
+        if not self.pool.enable_caching:
+            return NO_HIT
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits, len(hits) * self.block_size)
+
+    def record_lookup(self, request: Request, hit: ComputedBlocks) -> None:
+        self.stats.queries += request.num_tokens
+        self.stats.hits += hit.num_tokens
+
+    # -- allocation --------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: ComputedBlocks = NO_HIT,
+        num_external_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` after the request's computed tokens.
+
+        ``computed`` are prefix-cache hits to adopt (only on a request's first allocation) and
+        ``num_external_tokens`` tokens whose KV a connector will load. Returns the ids of the
+        newly allocated blocks, or ``None`` (and changes nothing) when too few blocks are free.
+        """
+        held = self.req_to_blocks.setdefault(request.request_id, [])
+        num_total = (
+            request.num_computed_tokens + computed.num_tokens + num_external_tokens + num_new_tokens
+        )
+        num_needed = max(0, cdiv(num_total, self.block_size) - len(held) - len(computed.blocks))
+        cow_index = self._cow_index(request, held)
+        revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)  # free now, taken by touch
+        if num_needed + (cow_index is not None) + revived > self.pool.num_free_blocks:
+            if not held:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(computed.blocks)
+        held.extend(computed.blocks)
+        if cow_index is not None:
+            self._copy_on_write(held, cow_index)
+        new_blocks = self.pool.get_new_blocks(num_needed)
+        held.extend(new_blocks)
+        return [b.block_id for b in new_blocks]
+
+    def _cow_index(self, request: Request, held: list[KVCacheBlock]) -> int | None:
+        """Index of a shared, partially filled block the next token would write into."""
+        pos = request.num_computed_tokens
+        index = pos // self.block_size
+        if pos % self.block_size and index < len(held) and held[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, held: list[KVCacheBlock], index: int) -> None:
+        shared = held[index]
+        (private,) = self.pool.get_new_blocks(1)
+        self._copies.append((shared.block_id, private.block_id))
+        held[index] = private
+        self.pool.free_blocks([shared])
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) copies the model runner must do before this step's forward pass."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks covering its first ``num_tokens`` tokens."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks or not self.pool.enable_caching:
+            return
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        start = self.num_cached.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached[request.request_id] = max(start, num_full)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (one more reference each)."""
+        blocks = list(self.req_to_blocks[parent_id])
+        self.pool.touch(blocks)
+        self.req_to_blocks[child_id] = blocks
+        self.num_cached[child_id] = self.num_cached.get(parent_id, 0)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last block first (so prefixes are evicted last)."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached.pop(request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Every block's ref count equals the number of block tables holding it."""
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for block in blocks:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        self.pool.check_integrity(refs)
+        assert not self._copies, "block copies scheduled but never taken"

@@ -1,0 +1,156 @@
+"""Load an HF model directory (config.json + single or sharded safetensors) into our modules.
+
+HF names map one to one except the fused projections: ``q_proj|k_proj|v_proj`` → ``qkv_proj``
+and ``gate_proj|up_proj`` → ``gate_up_proj`` (each checkpoint tensor is copied into its rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from common.attention import AttentionBackend
+from common.models.llama import LlamaArgs, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FUSED = {  # HF suffix → (our suffix, shard index)
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+def resolve_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (fp32 when it names none)."""
+    if name == "auto":
+        name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def build_model(
+    model_dir: Path,
+    hf_config: dict[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Construct the model on ``device`` in ``dtype`` and fill its weights."""
+    args = LlamaArgs.from_hf(hf_config)
+    start = time.perf_counter()
+    with torch.device(device):
+        model = LlamaForCausalLM(args, backend, max_positions)
+    model.to(dtype)
+    model.rotary.to(torch.float32)  # the cos/sin table stays fp32; cast per use like HF
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+    else:
+        _load_safetensors(model, model_dir, args)
+    model.eval()
+    logger.info("model loaded in %.2fs (%s, %s)", time.perf_counter() - start, dtype, device)
+    return model
+
+
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Small random weights for benchmark shapes (no checkpoint needed)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        values = torch.empty(param.shape).uniform_(-0.02, 0.02, generator=gen)
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            values = torch.ones(param.shape)
+        param.data.copy_(values)
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, args: LlamaArgs) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    files = _checkpoint_files(model_dir)
+    for path in tqdm(files, desc="loading weights", disable=len(files) < 2, leave=False):
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                target = _map_name(hf_name, args)
+                if target is None:
+                    continue
+                name, shard = target
+                _copy_into(params[name], f.get_tensor(hf_name), name, shard, args)
+                loaded.add(name if shard is None else f"{name}#{shard}")
+    _check_complete(params, loaded, args)
+
+
+def _map_name(hf_name: str, args: LlamaArgs) -> tuple[str, int | None] | None:
+    """HF tensor name → (our parameter name, shard index of a fused projection)."""
+    if "rotary_emb" in hf_name:
+        return None
+    name = hf_name.removeprefix("model.")
+    if name == "lm_head.weight" and args.tie_word_embeddings:
+        return None
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
+    return name, None
+
+
+def _copy_into(
+    param: torch.Tensor, tensor: torch.Tensor, name: str, shard: int | None, a: LlamaArgs
+) -> None:
+    if shard is None:
+        dst = param.data
+    else:
+        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        sizes = [q, kv, kv] if "qkv_proj" in name else [inter, inter]
+        begin = sum(sizes[:shard])
+        dst = param.data[begin : begin + sizes[shard]]
+    if dst.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} for {tuple(dst.shape)}")
+    dst.copy_(tensor)
+
+
+def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], args: LlamaArgs) -> None:
+    missing = []
+    for name in params:
+        if args.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if "qkv_proj" in name or "gate_up_proj" in name:
+            shards = 3 if "qkv_proj" in name else 2
+            if any(f"{name}#{s}" not in loaded for s in range(shards)):
+                missing.append(name)
+        elif name not in loaded:
+            missing.append(name)
+    if missing:
+        more = "…" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")

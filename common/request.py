@@ -1,0 +1,145 @@
+"""A request inside the engine and its status machine.
+
+```
+ WAITING ──schedule──▶ RUNNING ──stop/length──▶ FINISHED_STOPPED / FINISHED_LENGTH_CAPPED
+   ▲  │                  │
+   │  └─▶ WAITING_FOR_REMOTE_KV (load in flight; the scheduler skips it until done)
+   └──── PREEMPTED ◀─────┘ (blocks freed, recomputed later)
+ any state ──abort──▶ FINISHED_ABORTED
+```
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.block_hash import BlockHash, hash_blocks, root_hash
+from common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of a chosen token and the top-k alternatives (ids and logprobs, best first)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+class Request:
+    """Token state of one sequence. Owned by the scheduler; blocks live in the KV cache manager.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache (or scheduled to be written
+    this step, between ``schedule`` and ``update_from_output``).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None,
+        block_size: int,
+        seed: int,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        max_tokens: int,
+        output_token_ids: list[int] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.seed = seed  # the random stream's key (sampling_params.seed or drawn at arrival)
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.max_tokens = max_tokens  # resolved: never None here
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.child_seeds: list[int] = []  # seeds of samples 2..n, forked after the prompt
+        self._block_size = block_size
+        self.block_hashes: list[BlockHash] = []
+        self.update_block_hashes()
+
+    # -- token bookkeeping ------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""
+        done = len(self.block_hashes) * self._block_size
+        if self.num_tokens - done < self._block_size:
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.cache_salt)
+        self.block_hashes += hash_blocks(
+            self.all_token_ids, self._block_size, parent=parent, start=done
+        )
+
+    def sort_key(self, policy: str) -> tuple[float, ...]:
+        """Order of service: lower first. FCFS: arrival; priority: (priority, arrival)."""
+        if policy == "priority":
+            return (self.priority, self.arrival_time)
+        return (self.arrival_time,)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens},"
+            f" out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
