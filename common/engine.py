@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,13 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, self.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
+        self.connector = self._make_connector()
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache_manager,
+            self.max_model_len,
+            self.connector[0] if self.connector else None,
+        )
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self._seeds = random.Random(config.model.seed)
@@ -77,6 +84,19 @@ class EngineCore:
                 f"KV cache has {self.runner.num_blocks} blocks but one request of max_model_len="
                 f"{self.max_model_len} needs {need}: raise the cache budget or lower max_model_len"
             )
+
+    def _make_connector(self):
+        """(scheduler half, worker half) of the KV store connector, when one is configured."""
+        if self.config.kv_store is None:
+            return None
+        from kv_store.connector import create_store_connector  # the one wiring point to kv_store
+
+        role = self.config.kv_role or "both"
+        sched, worker = create_store_connector(
+            self.config.kv_store, role, self.model_dir, self.runner.spec, self.runner.device
+        )
+        self.runner.set_connector(worker)
+        return sched, worker
 
     def _eos_token_ids(self) -> list[int]:
         ids: Any = None
@@ -180,11 +200,28 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.connector is not None:
+            self._poll_connector()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            if sched_out.connector_meta is not None:
+                self.runner.start_loads(sched_out.connector_meta)
+            if self.scheduler.loading:
+                time.sleep(0.0005)  # only remote loads in flight: don't spin a core
             return []
         sampled = self.runner.execute(sched_out)
         return self.scheduler.update_from_output(sched_out, sampled)
+
+    def _poll_connector(self) -> None:
+        worker = self.connector[1]
+        _, done_loading = worker.get_finished(self.scheduler.take_ended_ids())
+        if done_loading:
+            self.scheduler.update_from_connector(done_loading, worker.get_failed_blocks())
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector[1].close()
+            self.connector = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -18,6 +18,7 @@ import torch
 
 from common.attention import AttentionMetadata, LayerHooks, get_attention_backend
 from common.config import CacheConfig
+from common.kv_connector import ConnectorHooks, ConnectorMetadata, KVConnectorWorker
 from common.models.llama import LlamaForCausalLM
 from common.models.loader import build_model, resolve_dtype
 from common.request import TokenLogprobs
@@ -94,7 +95,12 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
+        self.connector: KVConnectorWorker | None = None
         self.hooks: LayerHooks | None = None
+
+    def set_connector(self, connector: KVConnectorWorker) -> None:
+        self.connector = connector
+        self.hooks = ConnectorHooks(connector)
 
     def _num_blocks(self, cfg: CacheConfig) -> int:
         if cfg.num_blocks is not None:
@@ -113,8 +119,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:
         self._copy_blocks(out.block_copies)
         input_ids, positions, meta, logits_rows = self._prepare(out.scheduled)
-        meta.hooks = self.hooks
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if self.connector is None:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        else:
+            hidden = self._forward_with_connector(input_ids, positions, meta, out)
         if not logits_rows:
             return {}
         logits = self.model.compute_logits(hidden[logits_rows])
@@ -123,6 +131,25 @@ class ModelRunner:
         if len(rows) != len(counts):  # a request forking into n samples: n rows of its logits
             logits = logits.repeat_interleave(torch.tensor(counts, device=self.device), dim=0)
         return self._collect(self.sampler.sample(logits, rows), rows, owners)
+
+    def _forward_with_connector(self, input_ids, positions, meta, out: SchedulerOutput):
+        assert self.connector is not None and isinstance(out.connector_meta, ConnectorMetadata)
+        self.connector.bind_connector_metadata(out.connector_meta)
+        self.connector.start_load_kv(self.kv_cache)
+        meta.hooks = self.hooks
+        try:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            self.connector.wait_for_save()
+        finally:
+            self.connector.clear_connector_metadata()
+        return hidden
+
+    def start_loads(self, meta: ConnectorMetadata) -> None:
+        """A step with nothing to compute may still have remote loads to start."""
+        if self.connector is not None and meta.loads:
+            self.connector.bind_connector_metadata(meta)
+            self.connector.start_load_kv(self.kv_cache)
+            self.connector.clear_connector_metadata()
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.block_hash import BlockHash, hash_blocks, root_hash
+from common.kv_connector import KVHandle
 from common.sampling_params import SamplingParams
 
 
@@ -94,6 +95,9 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.child_seeds: list[int] = []  # seeds of samples 2..n, forked after the prompt
+        self.kv_handle: KVHandle | None = None  # set by a producer connector at finish
+        self.num_external_tokens = 0  # prompt tokens whose KV came through the connector
+        self.expected_external_tokens = 0  # what the connector promised to load
         self._block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self.update_block_hashes()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig
 from common.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
+from common.kv_connector import KVConnectorScheduler, KVHandle
 from common.request import Request, RequestStatus, TokenLogprobs
 
 
@@ -69,6 +70,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     parent_id: str | None = None  # set on the first output of a forked sample
     num_cached_tokens: int = 0
+    kv_handle: KVHandle | None = None  # producer: where the prompt's KV now lives
+    num_external_tokens: int = 0  # prompt tokens loaded through the connector
 
 
 class WaitingQueue:
@@ -112,7 +115,7 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
-        connector: object | None = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.config = config
         self.kv = kv_cache_manager
@@ -122,6 +125,9 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self._fork_children: dict[str, list[Request]] = {}  # parent id → samples 2..n
+        self.num_preemptions = 0
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV, keyed by request id
+        self._ended_ids: set[str] = set()  # ended since the worker connector last heard
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request, children: Iterable[Request] = ()) -> None:
@@ -153,6 +159,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         out.block_copies = self.kv.take_block_copies()
+        if self.connector is not None:
+            out.connector_meta = self.connector.build_connector_meta(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -189,6 +197,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.push(request)
         out.preempted_ids.append(request.request_id)
 
@@ -198,6 +207,8 @@ class Scheduler:
             if request is None:
                 return
             hit = self._lookup(request)
+            if self._start_remote_load(request, hit):
+                continue
             num_new = request.num_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 return
@@ -215,7 +226,64 @@ class Scheduler:
             budget -= num_new
 
     def _lookup(self, request: Request) -> ComputedBlocks:
-        return self.kv.find_computed_blocks(request) if request.num_computed_tokens == 0 else NO_HIT
+        """Local prefix hit of a request that holds no blocks yet (new or preempted)."""
+        if request.request_id in self.kv.req_to_blocks:
+            return NO_HIT  # back from a remote load: its blocks are already allocated
+        return self.kv.find_computed_blocks(request)
+
+    def _start_remote_load(self, request: Request, hit: ComputedBlocks) -> bool:
+        """Ask the connector for more of the prompt; park the request while it loads.
+
+        Returns True when the request left the waiting queue for ``WAITING_FOR_REMOTE_KV``.
+        """
+        if self.connector is None or request.request_id in self.kv.req_to_blocks:
+            return False
+        matched = self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
+        if matched.num_tokens == 0:
+            return False
+        if self.kv.allocate_slots(request, 0, hit, matched.num_tokens) is None:
+            return False  # no room to land it: compute the prompt like any other
+        self.waiting.pop()
+        self.kv.record_lookup(request, hit)
+        request.num_cached_tokens = hit.num_tokens
+        request.num_computed_tokens = hit.num_tokens
+        request.expected_external_tokens = matched.num_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[request.request_id] = request
+        block_ids = self.kv.get_block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, matched.num_tokens)
+        return True
+
+    def update_from_connector(self, done_loading: set[str], failed_blocks: set[int]) -> None:
+        """Finished loads go back to waiting with what arrived counted as computed; a failed
+        block and everything after it is recomputed."""
+        for request_id in done_loading:
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue
+            block_ids = self.kv.get_block_ids(request_id)
+            first = request.num_computed_tokens // self.kv.block_size
+            loaded = self._loaded_tokens(request, block_ids[first:], failed_blocks)
+            request.num_external_tokens = loaded
+            request.num_computed_tokens += loaded
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+            self.waiting.push(request)
+
+    def _loaded_tokens(self, request: Request, block_ids: list[int], failed: set[int]) -> int:
+        """Tokens of the load range up to the first failed block (prompt tokens only)."""
+        limit = request.num_prompt_tokens - request.num_computed_tokens
+        limit = min(limit, request.num_tokens - 1 - request.num_computed_tokens)
+        loaded = 0
+        for block_id in block_ids:
+            if block_id in failed or loaded >= limit:
+                break
+            loaded += self.kv.block_size
+        return min(loaded, request.expected_external_tokens, limit)
+
+    def take_ended_ids(self) -> set[str]:
+        ended, self._ended_ids = self._ended_ids, set()
+        return ended
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         done = request.num_computed_tokens + num_new >= request.num_tokens
@@ -272,6 +340,8 @@ class Scheduler:
             request.status.finish_reason,
             request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            kv_handle=request.kv_handle,
+            num_external_tokens=request.num_external_tokens,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -304,10 +374,15 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.waiting.remove(request.request_id)
+        self.loading.pop(request.request_id, None)
+        if self.connector is not None:
+            block_ids = self.kv.get_block_ids(request.request_id)
+            _, request.kv_handle = self.connector.request_finished(request, block_ids)
+            self._ended_ids.add(request.request_id)
         self.kv.free(request.request_id)
         del self.requests[request.request_id]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         holders = set(self.kv.req_to_blocks)
-        assert holders <= {r.request_id for r in self.running}, holders
+        assert holders <= {r.request_id for r in self.running} | set(self.loading), holders

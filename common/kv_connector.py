@@ -1,0 +1,144 @@
+"""The KV connector contract: how an engine saves KV blocks to, and loads them from, elsewhere.
+
+Two halves joined by a per-step metadata object (vLLM V1's shape, kept small). The scheduler half
+runs inside ``Scheduler.schedule`` and only decides; the worker half runs inside the model runner
+and moves bytes. ``common/`` knows only this contract; ``kv_store/connector.py`` implements it.
+
+Step by step:
+
+1. ``get_num_new_matched_tokens`` (after the local prefix lookup): how many more prompt tokens
+   the external store holds. No side effects.
+2. The scheduler allocates blocks for them and calls ``update_state_after_alloc``; with
+   ``load_async`` the request waits in ``WAITING_FOR_REMOTE_KV`` without holding up others.
+3. ``build_connector_meta`` packs this step's loads and saves; the runner binds it, calls
+   ``start_load_kv`` before the forward pass, ``wait_for_layer_load`` / ``save_kv_layer`` around
+   each layer's attention and ``wait_for_save`` after the pass.
+4. ``get_finished`` reports finished loads; ``get_failed_blocks`` the blocks that could not be
+   loaded (missing, evicted, corrupt, unreachable): the scheduler recomputes from the first one.
+5. ``request_finished`` returns the request's KV handle (what a decode node needs to load it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.request import Request
+    from common.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Names a request's prompt KV in a store: enough for any instance to load it."""
+
+    fingerprint: str
+    block_size: int
+    num_tokens: int
+    block_hashes: list[bytes]  # chained SHA-256 of each full prompt block
+    store_url: str | None = None
+
+
+@dataclass
+class LoadSpec:
+    """Blocks of one request to fill from the store (``block_ids[i]`` ← ``keys[i]``)."""
+
+    request_id: str
+    keys: list[str]
+    block_ids: list[int]
+    num_tokens: list[int]  # tokens held by each entry (block_size, or fewer for a final partial)
+
+
+@dataclass
+class SaveSpec:
+    """Blocks of one request to write to the store after this step's forward pass."""
+
+    request_id: str
+    keys: list[str]
+    block_ids: list[int]
+    num_tokens: list[int]
+
+
+@dataclass
+class ConnectorMetadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class MatchedTokens(NamedTuple):
+    num_tokens: int  # extra prompt tokens the store holds beyond the local hit
+    load_async: bool  # True: load in the background; the request waits in its own state
+
+
+class KVConnectorScheduler(ABC):
+    """Scheduler half: decides what to load and save; touches no tensors."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> MatchedTokens: ...
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None: ...
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata: ...
+
+    @abstractmethod
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, KVHandle | None]:
+        """(delay_free, kv_handle): delay_free asks the scheduler to keep the blocks for now."""
+
+
+class KVConnectorWorker(ABC):
+    """Worker half: moves bytes between the paged cache and the store."""
+
+    @abstractmethod
+    def bind_connector_metadata(self, meta: ConnectorMetadata) -> None: ...
+
+    @abstractmethod
+    def clear_connector_metadata(self) -> None: ...
+
+    @abstractmethod
+    def start_load_kv(self, kv_cache: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Return only when every block of this step's saves is durable in the store (or failed
+        for good, which only costs a later recompute)."""
+
+    @abstractmethod
+    def get_finished(self, request_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(done_saving, done_loading) since the last call."""
+
+    @abstractmethod
+    def get_failed_blocks(self) -> set[int]:
+        """Block ids whose load failed since the last call."""
+
+    def close(self) -> None:
+        """Stop background threads and release the store."""
+
+
+class ConnectorHooks:
+    """Adapts a worker connector to the model's per-layer hooks (``common.attention.LayerHooks``)."""
+
+    def __init__(self, worker: KVConnectorWorker) -> None:
+        self.worker = worker
+
+    def before_layer(self, layer: int) -> None:
+        self.worker.wait_for_layer_load(layer)
+
+    def after_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
+        self.worker.save_kv_layer(layer, kv_layer)
