@@ -127,6 +127,7 @@ class KVConnectorWorker(ABC):
     def get_failed_blocks(self) -> set[int]:
         """Block ids whose load failed since the last call."""
 
+    @abstractmethod
     def close(self) -> None:
         """Stop background threads and release the store."""
 

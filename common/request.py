@@ -98,7 +98,7 @@ class Request:
         self.kv_handle: KVHandle | None = None  # set by a producer connector at finish
         self.num_external_tokens = 0  # prompt tokens whose KV came through the connector
         self.expected_external_tokens = 0  # what the connector promised to load
-        self._block_size = block_size
+        self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self.update_block_hashes()
 
@@ -128,12 +128,12 @@ class Request:
 
     def update_block_hashes(self) -> None:
         """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""
-        done = len(self.block_hashes) * self._block_size
-        if self.num_tokens - done < self._block_size:
+        done = len(self.block_hashes) * self.block_size
+        if self.num_tokens - done < self.block_size:
             return
         parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.cache_salt)
         self.block_hashes += hash_blocks(
-            self.all_token_ids, self._block_size, parent=parent, start=done
+            self.all_token_ids, self.block_size, parent=parent, start=done
         )
 
     def sort_key(self, policy: str) -> tuple[float, ...]:

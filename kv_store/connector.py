@@ -59,15 +59,25 @@ def kv_fingerprint(model_dir: Path, spec: KVCacheSpec) -> str:
     return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
-def prompt_entries(request: Request, fingerprint: str, block_size: int) -> list[tuple[str, int]]:
-    """(key, num_tokens) of the prompt's store entries: full blocks, then a final partial one."""
-    prompt = request.prompt_token_ids
+def prompt_hashes(request: Request) -> list[bytes]:
+    """Hashes of the prompt's blocks: every full block, then a final partial one (if any)."""
+    prompt, block_size = request.prompt_token_ids, request.block_size
     num_full = len(prompt) // block_size
-    out = [(make_key(fingerprint, h), block_size) for h in request.block_hashes[:num_full]]
+    hashes = list(request.block_hashes[:num_full])
     tail = prompt[num_full * block_size :]
     if tail:
-        parent = request.block_hashes[num_full - 1] if num_full else root_hash(request.cache_salt)
-        out.append((make_key(fingerprint, hash_partial_block(parent, tail), len(tail)), len(tail)))
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        hashes.append(hash_partial_block(parent, tail))
+    return hashes
+
+
+def prompt_entries(request: Request, fingerprint: str) -> list[tuple[str, int]]:
+    """(key, num_tokens) of the prompt's store entries: full blocks, then a final partial one."""
+    n, bs = request.num_prompt_tokens, request.block_size
+    out = []
+    for i, block_hash in enumerate(prompt_hashes(request)):
+        tokens = min(bs, n - i * bs)
+        out.append((make_key(fingerprint, block_hash, None if tokens == bs else tokens), tokens))
     return out
 
 
@@ -102,7 +112,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
 
     def _candidates(self, request: Request, num_computed: int) -> list[tuple[str, int]]:
         """Entries after the local hit whose tokens still leave one token to compute."""
-        entries = prompt_entries(request, self.fingerprint, self.block_size)
+        entries = prompt_entries(request, self.fingerprint)
         entries = entries[num_computed // self.block_size :]
         budget = request.num_tokens - 1 - num_computed
         out = []
@@ -139,7 +149,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
     def _save_spec(self, request: Request, num_new: int, block_ids: list[int]) -> SaveSpec | None:
         """Prompt entries whose tokens are all computed once this step's forward pass is done."""
         done = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-        entries = prompt_entries(request, self.fingerprint, self.block_size)
+        entries = prompt_entries(request, self.fingerprint)
         start = self._saved.get(request.request_id, 0)
         ready = done // self.block_size
         if done == request.num_prompt_tokens:
@@ -159,12 +169,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         self._saved.pop(request.request_id, None)
         if not self.saves:
             return False, None
-        num_full = request.num_prompt_tokens // self.block_size
         handle = KVHandle(
-            self.fingerprint,
-            self.block_size,
-            request.num_prompt_tokens,
-            list(request.block_hashes[:num_full]),
+            self.fingerprint, self.block_size, request.num_prompt_tokens, prompt_hashes(request),
             self.url,
         )
         return False, handle  # blocks are copied out during the step: nothing to hold
