@@ -1,0 +1,233 @@
+"""StoreConnector end to end: a producer engine saves, a consumer engine continues from the first
+token, and the output equals one colocated engine — also when the store misbehaves."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from common.config import EngineConfig
+from common.engine import EngineCore
+from common.sampling_params import SamplingParams
+from kv_store.entry import make_key
+
+BS = 16
+PROMPT_LENS = (5, 16, 100)  # shorter than a block, exactly a block, many blocks
+ENGINE_ARGS = dict(model="tiny-llama", block_size=BS, max_num_batched_tokens=256, num_blocks=256)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _offline_cache(tmp_path_factory):
+    os.environ.setdefault("PDSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("pdserve-cache")))
+
+
+def prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lens]
+
+
+def params(max_tokens: int, greedy: bool) -> SamplingParams:
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=max_tokens,
+                          ignore_eos=True)
+
+
+def run(engine: EngineCore, requests) -> dict[str, dict]:
+    """Run (request_id, prompt, params, output_token_ids) to completion."""
+    for rid, prompt, p, outs in requests:
+        engine.add_request(rid, prompt, p, output_token_ids=outs)
+    res = {r[0]: {"tokens": [], "handle": None, "loaded": 0} for r in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            res[out.request_id]["tokens"] += out.new_token_ids
+            if out.finish_reason:
+                res[out.request_id].update(handle=out.kv_handle, loaded=out.num_external_tokens)
+    engine.check_integrity()
+    assert engine.num_free_blocks() == engine.runner.num_blocks
+    return res
+
+
+def engine(url: str | None = None, role: str | None = None) -> EngineCore:
+    return EngineCore(EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role=role))
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    return engine()
+
+
+def disaggregated(url, ps, greedy, corrupt=None, consumer=None):
+    """Producer (max_tokens=1) → optional fault → consumer; returns (full tokens, results)."""
+    producer = engine(url, "producer")
+    first = run(producer, [(str(i), p, params(1, greedy), None) for i, p in enumerate(ps)])
+    producer.close()
+    if corrupt is not None:
+        corrupt(first)
+    consumer = consumer or engine(url, "consumer")
+    rest = run(consumer, [(str(i), p, params(12, greedy), first[str(i)]["tokens"])
+                          for i, p in enumerate(ps)])
+    tokens = {k: first[k]["tokens"] + rest[k]["tokens"] for k in first}
+    return tokens, first, rest, consumer
+
+
+def reference(colocated, ps, greedy):
+    res = run(colocated, [(f"ref{i}", p, params(12, greedy), None) for i, p in enumerate(ps)])
+    return {str(i): res[f"ref{i}"]["tokens"] for i in range(len(ps))}
+
+
+def entry_keys(handle) -> list[str]:
+    n, bs = handle.num_tokens, handle.block_size
+    return [make_key(handle.fingerprint, h, None if min(bs, n - i * bs) == bs else n - i * bs)
+            for i, h in enumerate(handle.block_hashes)]
+
+
+@pytest.fixture(params=["redis", "file"])
+def store_url(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path}/kv"
+    return request.getfixturevalue("redis_server").url
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_disaggregated_equals_colocated(store_url, colocated, greedy):
+    ps = prompts()
+    tokens, first, rest, consumer = disaggregated(store_url, ps, greedy)
+    assert tokens == reference(colocated, ps, greedy)
+    # everything but the first token's own KV came from the store
+    assert [rest[str(i)]["loaded"] for i in range(len(ps))] == list(PROMPT_LENS)
+    assert first["2"]["handle"].num_tokens == 100 and len(first["2"]["handle"].block_hashes) == 7
+    consumer.close()
+
+
+def test_prefix_hits_on_both_sides(store_url, colocated):
+    shared = prompts((48,), seed=5)[0]
+    ps = [shared + p for p in prompts((7, 30), seed=6)]
+    tokens, first, rest, consumer = disaggregated(store_url, ps, greedy=True)
+    assert tokens == reference(colocated, ps, greedy=True)
+    # a second request on the consumer reuses its local prefix cache, then loads the rest
+    again = run(consumer, [("again", ps[1], params(12, True), first["1"]["tokens"])])
+    assert first["1"]["tokens"] + again["again"]["tokens"] == tokens["1"]
+    consumer.close()
+
+
+def test_prefix_reuse_across_instances(store_url, colocated):
+    """A second prefill instance loads a prefix the first one stored instead of recomputing."""
+    base = prompts((64,), seed=9)[0]
+    a = engine(store_url, "both")
+    run(a, [("a", base, params(1, True), None)])
+    a.close()
+    b = engine(store_url, "both")
+    longer = base + prompts((20,), seed=10)[0]
+    res = run(b, [("b", longer, params(12, True), None)])
+    assert res["b"]["loaded"] == 64
+    assert res["b"]["tokens"] == reference(colocated, [longer], True)["0"]
+    b.close()
+
+
+# -- faults: each must give identical tokens and leak nothing --------------------------------
+
+
+def test_redis_killed_mid_transfer(redis_server, colocated):
+    ps = prompts()
+    consumer = engine(redis_server.url, "consumer")
+    store = consumer.runner.connector.store
+    real_get = store.get_many_into
+
+    def get_after_kill(*args, **kwargs):  # the server dies between lookup and fetch
+        redis_server.kill()
+        return real_get(*args, **kwargs)
+
+    store.get_many_into = get_after_kill
+    tokens, _, rest, _ = disaggregated(redis_server.url, ps, True, consumer=consumer)
+    assert tokens == reference(colocated, ps, True)
+    assert all(r["loaded"] == 0 for r in rest.values())
+    consumer.close()
+
+
+def test_redis_restarted_empty(redis_server, colocated):
+    ps = prompts()
+    tokens, _, rest, consumer = disaggregated(
+        redis_server.url, ps, True, corrupt=lambda first: redis_server.restart()
+    )
+    assert tokens == reference(colocated, ps, True)
+    assert all(r["loaded"] == 0 for r in rest.values())
+    consumer.close()
+
+
+def test_corrupt_entry_in_redis(redis_server, colocated):
+    ps = prompts()
+
+    def corrupt(first):
+        key = entry_keys(first["2"]["handle"])[3]  # the 4th block of the long prompt
+        with redis_server.client() as client:
+            value = client.get(key)
+            client.setrange(key, len(value) - 10, b"\x00garbage\x00")
+
+    tokens, _, rest, consumer = disaggregated(redis_server.url, ps, True, corrupt=corrupt)
+    assert tokens == reference(colocated, ps, True)
+    assert rest["2"]["loaded"] == 3 * BS  # blocks before the corrupt one were used
+    consumer.close()
+
+
+def test_corrupt_and_half_written_file_entries(tmp_path, colocated):
+    url = f"file://{tmp_path}/kv"
+    ps = prompts()
+    consumer = engine(url, "consumer")
+    store = consumer.runner.connector.store
+
+    def corrupt(first):
+        keys = entry_keys(first["2"]["handle"])
+        path = store.path_of(keys[2])
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+        half = store.path_of(entry_keys(first["1"]["handle"])[0])  # truncated mid-payload
+        half.write_bytes(half.read_bytes()[: half.stat().st_size // 2])
+
+    tokens, _, rest, _ = disaggregated(url, ps, True, corrupt=corrupt, consumer=consumer)
+    assert tokens == reference(colocated, ps, True)
+    assert rest["2"]["loaded"] == 2 * BS and rest["1"]["loaded"] == 0
+    consumer.close()
+
+
+def test_entry_evicted_between_save_and_load(store_url, colocated):
+    ps = prompts()
+    consumer = engine(store_url, "consumer")
+    store = consumer.runner.connector.store
+    evicted = {}
+
+    def evict(first):
+        evicted["keys"] = entry_keys(first["2"]["handle"])
+        store.delete_many([evicted["keys"][5]])  # gone before the lookup
+
+    real_get = store.get_many_into
+
+    def evict_during_load(keys, *args, **kwargs):  # and one more gone after the lookup
+        if evicted["keys"][1] in keys:
+            store.delete_many([evicted["keys"][1]])
+        return real_get(keys, *args, **kwargs)
+
+    store.get_many_into = evict_during_load
+    tokens, _, rest, _ = disaggregated(store_url, ps, True, corrupt=evict, consumer=consumer)
+    assert tokens == reference(colocated, ps, True)
+    assert rest["2"]["loaded"] == 1 * BS
+    consumer.close()
+
+
+def test_store_full(redis_server_factory, tmp_path, colocated):
+    ps = prompts()
+    full_redis = redis_server_factory(maxmemory="1mb", policy="noeviction")
+    with full_redis.client() as client:  # fill it up so every KV write is refused
+        for i in range(200):
+            try:
+                client.set(f"filler:{i}", b"x" * 8192)
+            except Exception:
+                break
+    tiny_files = f"file://{tmp_path}/kv?capacity=40kb"  # holds a couple of entries at most
+    for url in (full_redis.url, tiny_files):
+        tokens, _, _, consumer = disaggregated(url, ps, True)
+        assert tokens == reference(colocated, ps, True)
+        consumer.close()
