@@ -42,8 +42,10 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     for out in outputs[: len(DEMO_PROMPTS)]:
         sample = out.outputs[0]
-        print(f"\n>>> {out.prompt!r}\n    {sample.text!r}  [{len(sample.token_ids)} tokens,"
-              f" {sample.finish_reason}]")
+        print(
+            f"\n>>> {out.prompt!r}\n    {sample.text!r}  [{len(sample.token_ids)} tokens,"
+            f" {sample.finish_reason}]"
+        )
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     n_in = sum(len(o.prompt_token_ids) for o in outputs)
     print(

@@ -301,9 +301,7 @@ def _generate(spec: TinyModelSpec, out_dir: Path) -> None:
 # ---------------------------------------------------------------------------------- tokenizer
 
 
-def _train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
-    """Train the byte-level BPE on the built-in corpus (deterministic: ties in the trainer's
-    merge queue are broken by token ids, which are assigned in sorted order)."""
+def _untrained_bpe(spec: TinyModelSpec) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     if spec.pretokenizer == "qwen2":
         tokenizer.normalizer = normalizers.NFC()
@@ -313,6 +311,13 @@ def _train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _train_tokenizer(spec: TinyModelSpec) -> Tokenizer:
+    """Train the byte-level BPE on the built-in corpus (deterministic: ties in the trainer's
+    merge queue are broken by token ids, which are assigned in sorted order)."""
+    tokenizer = _untrained_bpe(spec)
     trainer = trainers.BpeTrainer(
         vocab_size=spec.trained_vocab,
         special_tokens=list(spec.specials) if spec.specials_first else [],
@@ -335,8 +340,7 @@ def _save_tokenizer(spec: TinyModelSpec, tokenizer: Tokenizer, out_dir: Path) ->
     """Write tokenizer files in the classic layout (chat template inside tokenizer_config.json,
     special_tokens_map.json), which every transformers version and our router can read."""
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    named = {"bos_token": spec.bos, "eos_token": spec.eos, "pad_token": spec.pad}
-    named["unk_token"] = spec.unk
+    named = dict(bos_token=spec.bos, eos_token=spec.eos, pad_token=spec.pad, unk_token=spec.unk)
     special_map: dict[str, Any] = {k: v for k, v in named.items() if v is not None}
     special_map["additional_special_tokens"] = list(spec.extra_tokens)
     tokenizer_config = {
@@ -502,7 +506,8 @@ def write_hf_checkpoint(
     `eos_token_id` default to those of `tokenizer_from` (a built-in name or a model dir), whose
     tokenizer files are copied. With `shards > 1` weights are split over
     `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Weights for a given
-    (config, seed) are the same whatever `shards` and are stored in `dtype`.
+    (config, seed) are the same whatever `shards` and are stored in `dtype`. For `qwen2`, take
+    the tokenizer from "tiny-qwen2": transformers>=5 imposes Qwen2's pre-tokenizer on it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

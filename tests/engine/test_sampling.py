@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common import LLM, SamplingParams
-from common.sampler import SampleRow, Sampler, exponential_noise
+from common.sampler import Sampler, SampleRow, exponential_noise
 
 
 def row(params: SamplingParams, seed=1, position=0, prompt=(), output=(), eos=None) -> SampleRow:
@@ -82,8 +82,11 @@ def test_seeded_sampling_independent_of_batch(llm):
     alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
     others = [[i + 3] * (5 + 13 * i) for i in range(9)]
     mixed_params = [SamplingParams(temperature=0.7, max_tokens=30, seed=i) for i in range(9)]
-    crowd = llm.generate(others[:4] + [target] + others[4:], mixed_params[:4] + [params] +
-                         mixed_params[4:], use_tqdm=False)
+    crowd = llm.generate(
+        [*others[:4], target, *others[4:]],
+        [*mixed_params[:4], params, *mixed_params[4:]],
+        use_tqdm=False,
+    )
     assert crowd[4].outputs[0].token_ids == alone
     llm.check_integrity()
 
@@ -107,13 +110,19 @@ def test_stop_strings_and_stop_tokens(llm):
     base = llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0]
     assert len(base.text) > 6
     stop = base.text[3:6]
-    cut = llm.generate(["Once upon a time"], SamplingParams(
-        temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        ["Once upon a time"],
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == base.text[: base.text.index(stop)]
     tok = base.token_ids[5]
-    by_id = llm.generate(["Once upon a time"], SamplingParams(
-        temperature=0.0, max_tokens=40, stop_token_ids=[tok]), use_tqdm=False)[0].outputs[0]
+    by_id = llm.generate(
+        ["Once upon a time"],
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[tok]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert by_id.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tok
     llm.check_integrity()

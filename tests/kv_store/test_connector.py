@@ -31,8 +31,9 @@ def prompts(lens=PROMPT_LENS, seed=0) -> list[list[int]]:
 def params(max_tokens: int, greedy: bool) -> SamplingParams:
     if greedy:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=max_tokens,
-                          ignore_eos=True)
+    return SamplingParams(
+        temperature=0.9, top_p=0.95, seed=11, max_tokens=max_tokens, ignore_eos=True
+    )
 
 
 def run(engine: EngineCore, requests) -> dict[str, dict]:
@@ -67,8 +68,10 @@ def disaggregated(url, ps, greedy, corrupt=None, consumer=None):
     if corrupt is not None:
         corrupt(first)
     consumer = consumer or engine(url, "consumer")
-    rest = run(consumer, [(str(i), p, params(12, greedy), first[str(i)]["tokens"])
-                          for i, p in enumerate(ps)])
+    rest = run(
+        consumer,
+        [(str(i), p, params(12, greedy), first[str(i)]["tokens"]) for i, p in enumerate(ps)],
+    )
     tokens = {k: first[k]["tokens"] + rest[k]["tokens"] for k in first}
     return tokens, first, rest, consumer
 
@@ -80,8 +83,10 @@ def reference(colocated, ps, greedy):
 
 def entry_keys(handle) -> list[str]:
     n, bs = handle.num_tokens, handle.block_size
-    return [make_key(handle.fingerprint, h, None if min(bs, n - i * bs) == bs else n - i * bs)
-            for i, h in enumerate(handle.block_hashes)]
+    return [
+        make_key(handle.fingerprint, h, None if min(bs, n - i * bs) == bs else n - i * bs)
+        for i, h in enumerate(handle.block_hashes)
+    ]
 
 
 @pytest.fixture(params=["redis", "file"])
@@ -105,7 +110,7 @@ def test_disaggregated_equals_colocated(store_url, colocated, greedy):
 def test_prefix_hits_on_both_sides(store_url, colocated):
     shared = prompts((48,), seed=5)[0]
     ps = [shared + p for p in prompts((7, 30), seed=6)]
-    tokens, first, rest, consumer = disaggregated(store_url, ps, greedy=True)
+    tokens, first, _rest, consumer = disaggregated(store_url, ps, greedy=True)
     assert tokens == reference(colocated, ps, greedy=True)
     # a second request on the consumer reuses its local prefix cache, then loads the rest
     again = run(consumer, [("again", ps[1], params(12, True), first["1"]["tokens"])])
