@@ -44,6 +44,7 @@ class LlamaArgs:
         if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
         heads = cfg["num_attention_heads"]
+        theta, scaling = _rope_settings(cfg)
         return LlamaArgs(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -53,12 +54,22 @@ class LlamaArgs:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
+
+
+def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers 4 keys or transformers 5's ``rope_parameters``."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    return theta, scaling
 
 
 class RMSNorm(nn.Module):
