@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads (both engines)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
     if args.gpu_workload:
@@ -144,6 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         device=args.device,
         load_format=load_format,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        cpu_threads=args.cpu_threads,
     )
     work = Workload.random(
         args.num_requests, args.input_len, args.output_len, llm.engine.vocab_size, args.seed

@@ -70,9 +70,18 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Reference path: gathers each sequence's blocks and calls SDPA (batched for decodes)."""
+    """Reference path: gathers each sequence's blocks and calls SDPA (batched for decodes).
+
+    The gather lands in a reused workspace (``index_select(out=)``): fresh multi-megabyte
+    tensors every layer would spend more time in page faults than in the copy itself. Decode
+    rows are grouped by length so padding to the group's longest row wastes at most a quarter.
+    """
 
     name = "torch"
+    GROUP_SLACK = 0.75  # a row joins a group while its length >= 0.75 x the group's longest
+
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
 
     def write_kv(self, key, value, kv_layer, meta) -> None:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
@@ -86,25 +95,49 @@ class TorchAttentionBackend:
 
     def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
         out = torch.empty_like(query)
-        starts = meta.query_start_loc.tolist() if meta.max_query_len > 1 else None
         decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        if len(decode_rows) == meta.num_seqs:
-            return self._decode(query, kv_layer, meta, list(range(meta.num_seqs)), scale)
-        assert starts is not None
-        if decode_rows:
-            token_idx = [starts[i] for i in decode_rows]
-            out[token_idx] = self._decode(query[token_idx], kv_layer, meta, decode_rows, scale)
+        starts = meta.query_start_loc.tolist() if len(decode_rows) < meta.num_seqs else None
+        token_of = (lambda i: i) if starts is None else (lambda i: starts[i])
+        for rows in self._length_groups(decode_rows, meta.seq_lens_cpu):
+            idx = torch.tensor([token_of(i) for i in rows], device=query.device)
+            out[idx] = self._decode(query[idx], kv_layer, meta, rows, scale)
         for i, n in enumerate(meta.query_lens):
             if n > 1:
+                assert starts is not None
                 lo = starts[i]
                 out[lo : lo + n] = self._prefill(query[lo : lo + n], kv_layer, meta, i, scale)
         return out
 
-    def _gather(self, kv_layer, block_table: torch.Tensor, length: int):
-        """K, V of one or more sequences: ``(..., num_blocks * block_size, Hkv, D)``."""
-        k = kv_layer[0][block_table].flatten(-4, -3)[..., :length, :, :]
-        v = kv_layer[1][block_table].flatten(-4, -3)[..., :length, :, :]
-        return k, v
+    def _length_groups(self, rows: list[int], lens: list[int]) -> list[list[int]]:
+        groups: list[list[int]] = []
+        for i in sorted(rows, key=lambda r: -lens[r]):
+            if groups and lens[i] >= self.GROUP_SLACK * lens[groups[-1][0]]:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def _gather(self, kv_layer, tables: torch.Tensor, length: int):
+        """K, V of ``tables (S, nb)``: ``(S, nb * block_size, Hkv, D)`` views of the workspace,
+        cut to ``length`` tokens."""
+        _, num_blocks, bs, hkv, d = kv_layer.shape
+        flat = kv_layer.view(2, num_blocks, bs * hkv * d)
+        ids = tables.reshape(-1).long()
+        ws = self._space(2 * ids.numel() * bs * hkv * d, kv_layer)
+        k = ws[: ids.numel() * bs * hkv * d].view(ids.numel(), -1)
+        v = ws[ids.numel() * bs * hkv * d :].view(ids.numel(), -1)
+        torch.index_select(flat[0], 0, ids, out=k)
+        torch.index_select(flat[1], 0, ids, out=v)
+        shape = (*tables.shape[:-1], tables.shape[-1] * bs, hkv, d)
+        return k.view(shape)[..., :length, :, :], v.view(shape)[..., :length, :, :]
+
+    def _space(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
+            ws = self._workspace = torch.empty(
+                int(numel * 1.25), dtype=like.dtype, device=like.device
+            )
+        return ws[:numel]
 
     def _prefill(self, q, kv_layer, meta, seq: int, scale: float) -> torch.Tensor:
         seq_len, q_len = meta.seq_lens_cpu[seq], meta.query_lens[seq]
@@ -131,13 +164,16 @@ class TorchAttentionBackend:
         num_blocks = -(-max_len // kv_layer.shape[2])
         tables = meta.block_tables[rows, :num_blocks]
         k, v = self._gather(kv_layer, tables, max_len)  # (S, L, Hkv, D)
-        lens_t = torch.tensor(lens, device=q.device)
-        mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # (S, L)
+        mask = None
+        if min(lens) < max_len:
+            lens_t = torch.tensor(lens, device=q.device)
+            mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # (S, L)
+            mask = mask[:, None, None, :]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (S, H, 1, D)
             k.transpose(1, 2),  # (S, Hkv, L, D)
             v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )

@@ -87,8 +87,13 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     kv_store: str | None = None  # redis://… or file:///…
     kv_role: Literal["producer", "consumer", "both"] | None = None
+    # CPU only: torch intra-op threads of this process (None: torch's default, all cores).
+    # Tiny models on few cores run faster on one thread; a node given one core wants 1.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
         if self.kv_role is not None and self.kv_role not in ("producer", "consumer", "both"):

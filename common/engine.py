@@ -12,6 +12,8 @@ import logging
 import random
 import time
 from pathlib import Path
+
+import torch
 from typing import Any
 
 from common.config import EngineConfig
@@ -42,6 +44,8 @@ class EngineCore:
         self.model_dir = resolve_model_path(config.model.model)
         self.hf_config = read_hf_config(self.model_dir)
         self.max_model_len = self._max_model_len()
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)  # process-wide: one engine per process
         self.runner = ModelRunner(
             self.model_dir,
             self.hf_config,

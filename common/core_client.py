@@ -1,0 +1,341 @@
+"""Asyncio client of an engine-core process: what a node's gRPC frontend talks to.
+
+NOTE: one reader task owns the output socket and routes every message: ``Outputs`` go to the
+per-request ``asyncio.Queue`` of their request, ``LoadStats`` resolve the future of the query that
+asked, ``Fatal`` (or the process dying) fails everything. Requests are sent on the input socket
+directly (a PUSH send never blocks: the high-water mark is off). A request's stream is an
+:class:`OutputStream`; closing it early — ``aclose()``, leaving ``async with``, or cancelling the
+task that awaits it — aborts the request in the core, so its blocks are freed.
+
+```
+ CoreClient ──PUSH ipc://…/input──▶ engine core (common.core_process)
+     ▲ reader task ◀──PULL ipc://…/output──┘
+     └──▶ queues[request_id] ──▶ OutputStream ──▶ gRPC handler
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import zmq
+import zmq.asyncio
+
+from common.config import EngineConfig
+from common.core_messages import (
+    AbortRequests,
+    AddRequest,
+    Fatal,
+    GetLoad,
+    LoadStats,
+    Message,
+    Outputs,
+    Ready,
+    RequestError,
+    RequestTiming,
+    Shutdown,
+    decode,
+    encode,
+    engine_config_to_dict,
+)
+from common.core_process import run_engine_core
+from common.sampling_params import SamplingParams
+from common.scheduler import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+_WATCH_MS = 500  # how often the reader checks that the core is alive while no message comes
+
+
+class CoreRequestError(Exception):
+    """The core refused or lost a request. ``code``: ``invalid_argument``,
+    ``resource_exhausted``, ``already_exists`` or ``unavailable`` (the core is gone)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CoreOutput:
+    """One output of a request; ``timing`` is set on its first output only."""
+
+    output: EngineCoreOutput
+    timing: RequestTiming | None
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+
+_Item = CoreOutput | CoreRequestError
+
+
+class OutputStream:
+    """Async iterator over one request's outputs, ending after the one with a finish reason.
+
+    Raises :class:`CoreRequestError` if the core refused the request (before any output) or died.
+    Closing it before the end aborts the request in the core.
+    """
+
+    def __init__(self, client: CoreClient, request_id: str, queue: asyncio.Queue[_Item]) -> None:
+        self._client, self.request_id, self._queue = client, request_id, queue
+        self._done = False
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> CoreOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        if isinstance(item, CoreRequestError):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._client._cancel(self.request_id, self._queue)
+
+    async def aclose(self) -> None:
+        self._close()
+
+    async def __aenter__(self) -> OutputStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._close()
+
+
+class CoreClient:
+    """Starts an engine-core process and talks to it. Use from one event loop only."""
+
+    def __init__(self, config: EngineConfig, *, startup_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.startup_timeout_s = startup_timeout_s
+        self.info: Ready | None = None
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._load_waiters: dict[int, asyncio.Future[LoadStats]] = {}
+        self._query_ids = itertools.count()
+        self._dead: str | None = None  # why the core is unusable, once it is
+        self._ready: asyncio.Future[Ready] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="pdserve-core-"))  # mode 0700
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self._input = self._bind(self._sync_ctx, zmq.PUSH, "input")
+        self._output = self._bind(self._async_ctx, zmq.PULL, "output")
+
+    def _bind(self, context: zmq.Context, kind: int, name: str) -> zmq.Socket:
+        sock = context.socket(kind)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"ipc://{self._dir / name}")
+        return sock
+
+    # -- life cycle --------------------------------------------------------------------------
+    async def start(self) -> Ready:
+        """Spawn the core and wait for its ``Ready``. Raises RuntimeError if it dies or times
+        out first (the child is killed then)."""
+        context = multiprocessing.get_context("spawn")
+        self._process = context.Process(
+            target=run_engine_core,
+            args=(
+                engine_config_to_dict(self.config),
+                f"ipc://{self._dir / 'input'}",
+                f"ipc://{self._dir / 'output'}",
+                logging.getLogger().getEffectiveLevel(),
+            ),
+            name="pdserve-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        self._ready = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read_loop(), name="core-reader")
+        try:
+            self.info = await asyncio.wait_for(self._ready, self.startup_timeout_s)
+        except (asyncio.TimeoutError, RuntimeError) as e:
+            await self.shutdown(timeout_s=1.0)
+            if isinstance(e, asyncio.TimeoutError):
+                raise RuntimeError(
+                    f"engine core not ready after {self.startup_timeout_s:.0f} s"
+                ) from None
+            raise
+        return self.info
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort everything, stop the core (killing it after ``timeout_s``), free the sockets.
+        Idempotent; leaves no process behind."""
+        process, self._process = self._process, None
+        if process is not None and process.is_alive():
+            self._send(Shutdown())
+            await asyncio.to_thread(process.join, timeout_s)
+            if process.is_alive():
+                logger.warning("engine core did not stop in %.0f s: killing it", timeout_s)
+                process.kill()
+                await asyncio.to_thread(process.join, 5.0)
+        self._fail_all("unavailable", "engine core shut down")
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._input.closed:
+            return
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self.info is not None
+
+    @property
+    def num_requests(self) -> int:
+        """Requests this client is waiting on (added, not finished)."""
+        return len(self._queues)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        output_token_ids: list[int] | None = None,
+    ) -> OutputStream:
+        """Send the request now; its outputs come through the returned stream. A refusal
+        (bad input, queue full, id in use, core gone) is raised by the stream's first ``__anext__``.
+        """
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        refusal = self._refusal(request_id)
+        if refusal is not None:
+            queue.put_nowait(refusal)
+        else:
+            self._queues[request_id] = queue
+            outputs = output_token_ids or []
+            self._send(AddRequest(request_id, prompt_token_ids, params, priority, outputs))
+        return OutputStream(self, request_id, queue)
+
+    def _refusal(self, request_id: str) -> CoreRequestError | None:
+        if self._dead is not None:
+            return CoreRequestError("unavailable", self._dead)
+        if request_id in self._queues:
+            return CoreRequestError("already_exists", f"request id {request_id!r} is in use")
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends with an ``abort`` output. False if unknown here."""
+        if request_id not in self._queues:
+            return False
+        self._send(AbortRequests([request_id]))
+        return True
+
+    def _cancel(self, request_id: str, queue: asyncio.Queue[_Item]) -> None:
+        """The consumer of ``queue`` went away: forget the request and abort it in the core."""
+        if self._queues.get(request_id) is queue:
+            del self._queues[request_id]
+            if self._dead is None:
+                self._send(AbortRequests([request_id]))
+
+    async def get_load(self, timeout_s: float = 30.0) -> LoadStats:
+        """The core's load, answered between two steps. Raises RuntimeError if it is gone."""
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
+        query_id = next(self._query_ids)
+        future: asyncio.Future[LoadStats] = asyncio.get_running_loop().create_future()
+        self._load_waiters[query_id] = future
+        self._send(GetLoad(query_id))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._load_waiters.pop(query_id, None)
+
+    def _send(self, message: Message) -> None:
+        self._input.send(encode(message), copy=False)
+
+    # -- the reader --------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            if not await self._output.poll(_WATCH_MS):
+                if self._process is not None and not self._process.is_alive():
+                    code = self._process.exitcode
+                    self._set_dead(f"engine core process exited (code {code})")
+                    return
+                continue
+            data = await self._output.recv()
+            try:
+                self._dispatch(decode(data))
+            except ValueError:
+                logger.exception("dropped a malformed message from the engine core")
+
+    def _dispatch(self, message: Message) -> None:
+        if isinstance(message, Outputs):
+            self._route(message)
+        elif isinstance(message, RequestError):
+            queue = self._queues.pop(message.request_id, None)
+            if queue is not None:
+                queue.put_nowait(CoreRequestError(message.code, message.message))
+        elif isinstance(message, LoadStats):
+            waiter = self._load_waiters.get(message.query_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+        elif isinstance(message, Ready):
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(message)
+        elif isinstance(message, Fatal):
+            self._set_dead(f"engine core failed: {message.message.strip().splitlines()[-1]}")
+            logger.error("engine core failed:\n%s", message.message)
+
+    def _route(self, message: Outputs) -> None:
+        for output, timing in zip(message.outputs, message.timings):
+            queue = self._queues.get(output.request_id)
+            if queue is None:
+                continue  # cancelled by its consumer: the abort is on its way
+            queue.put_nowait(CoreOutput(output, timing))
+            if output.finish_reason is not None:
+                del self._queues[output.request_id]
+
+    def _set_dead(self, reason: str) -> None:
+        self._dead = self._dead or reason  # the first reason is the useful one
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(reason))
+        self._fail_all("unavailable", reason)
+
+    def _fail_all(self, code: str, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        for queue in self._queues.values():
+            queue.put_nowait(CoreRequestError(code, reason))
+        self._queues.clear()
+        for waiter in self._load_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(RuntimeError(reason))
