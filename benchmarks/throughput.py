@@ -30,9 +30,7 @@ class Workload:
     @staticmethod
     def random(n: int, inputs: tuple[int, int], outputs: tuple[int, int], vocab: int, seed: int):
         rng = random.Random(seed)
-        prompts = [
-            [rng.randrange(3, vocab) for _ in range(rng.randint(*inputs))] for _ in range(n)
-        ]
+        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*inputs))] for _ in range(n)]
         return Workload(prompts, [rng.randint(*outputs) for _ in range(n)])
 
     @property
@@ -63,6 +61,40 @@ def run_pdserve(llm: LLM, work: Workload, temperature: float) -> Result:
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == work.num_output_tokens, (produced, work.num_output_tokens)
     return Result("pdserve", elapsed, produced)
+
+
+def decode_roofline(llm: LLM, batch: int, context: int, steps: int = 32) -> dict:
+    """Time pure decode steps of ``batch`` sequences at ``context`` tokens and compare with the
+    memory roofline: every step must read all weights plus every sequence's KV once."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"roof{i}", [3 + (i + j) % 97 for j in range(context)], params)
+    produced = 0
+    while produced < batch:  # prefill everything first; each request yields its first token
+        produced += sum(1 for _ in engine.step())
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    engine.abort([f"roof{i}" for i in range(batch)])
+    model = engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = engine.runner.spec.bytes_per_block // engine.runner.spec.block_size
+    step_bytes = weight_bytes + batch * (context + steps // 2) * kv_per_token
+    out = {"batch": batch, "context": context, "step_ms": step_ms, "bytes_per_step": step_bytes}
+    out["achieved_GBps"] = step_bytes / step_ms / 1e6
+    if engine.runner.device.type == "cuda":
+        from kernels._common import device_peak
+
+        peak = device_peak(engine.runner.device)
+        if peak is not None:
+            out["roofline_ms"] = step_bytes / (peak.hbm_tbps * 1e12) * 1e3
+            out["fraction_of_roofline"] = out["roofline_ms"] / step_ms
+    return out
 
 
 def run_hf(model_dir: str, work: Workload, batch_size: int, dtype, device, temperature: float):
@@ -113,7 +145,9 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=(16, 512))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
-    p.add_argument("--gpu-workload", action="store_true", help="nano-vllm's: 256 × 100–1024/100–1024")
+    p.add_argument(
+        "--gpu-workload", action="store_true", help="nano-vllm's: 256 × 100–1024/100–1024"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--dtype", default="auto")
@@ -123,6 +157,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads (both engines)")
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--shape-layers", type=int, default=None, help="override a shape's depth")
+    p.add_argument("--roofline-batch", type=int, default=0, help="also time pure decode steps")
+    p.add_argument("--roofline-context", type=int, default=512)
     args = p.parse_args()
     if args.gpu_workload:
         args.num_requests, args.input_len, args.output_len = 256, (100, 1024), (100, 1024)
@@ -138,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.shape:
         from common.models.shapes import write_dummy_shape
 
-        model, load_format = str(write_dummy_shape(args.shape)), "dummy"
+        model, load_format = str(write_dummy_shape(args.shape, args.shape_layers)), "dummy"
     llm = LLM(
         model=model,
         dtype=args.dtype,
@@ -154,6 +191,9 @@ def run(args: argparse.Namespace) -> dict:
     report = {"workload": vars(args) | {"output_tokens": work.num_output_tokens}}
     report["pdserve"] = asdict(ours) | {"tokens_per_s": ours.tokens_per_s}
     print(f"pdserve: {ours.tokens_per_s:,.0f} output tok/s ({ours.seconds:.1f} s)")
+    if args.roofline_batch:
+        report["decode_roofline"] = decode_roofline(llm, args.roofline_batch, args.roofline_context)
+        print(f"decode step: {report['decode_roofline']}")
     if not args.skip_hf:
         dev, dtype = llm.engine.runner.device, llm.engine.runner.dtype
         model_dir = str(llm.engine.model_dir)

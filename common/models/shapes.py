@@ -1,0 +1,84 @@
+"""Named model shapes for benchmarks: an HF ``config.json`` (no weights) to run with
+``load_format="dummy"``. The tokenizer files of ``tiny-llama`` are copied beside it so the
+offline ``LLM`` can start; benchmarks send token ids, so the vocabulary mismatch is harmless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common.models.tiny import default_cache_root, resolve_model_path
+
+_LLAMA_3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA_3_ROPE,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
+    "qwen2-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    },
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def write_dummy_shape(name: str, num_layers: int | None = None) -> Path:
+    """A config-only model directory of shape ``name`` (``num_layers`` overrides the depth,
+    for quick smoke runs). Returns its path; rewriting it is idempotent."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    config = dict(SHAPES[name])
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    suffix = f"-{num_layers}l" if num_layers is not None else ""
+    out = default_cache_root() / "shapes" / f"{name}{suffix}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tiny = resolve_model_path("tiny-llama")
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / file).write_bytes((tiny / file).read_bytes())
+    return out

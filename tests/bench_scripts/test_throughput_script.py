@@ -1,0 +1,50 @@
+"""The throughput benchmark runs end to end on CPU (GPU shapes scaled down to two layers)."""
+
+import argparse
+
+from benchmarks.throughput import run
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(
+        model="tiny-llama",
+        shape=None,
+        shape_layers=None,
+        num_requests=6,
+        input_len=(4, 40),
+        output_len=(2, 12),
+        seed=0,
+        temperature=0.6,
+        dtype="auto",
+        device="cpu",
+        hf_batch_size=4,
+        skip_hf=False,
+        max_num_batched_tokens=256,
+        cpu_threads=None,
+        roofline_batch=4,
+        roofline_context=32,
+        gpu_workload=False,
+        json=None,
+    )
+    return argparse.Namespace(**(base | kw))
+
+
+def test_cpu_workload_against_hf():
+    report = run(args())
+    assert report["pdserve"]["output_tokens"] == report["hf"]["output_tokens"] > 0
+    assert report["ratio"] > 0
+    assert report["decode_roofline"]["step_ms"] > 0
+
+
+def test_dummy_gpu_shape_smoke():
+    report = run(
+        args(
+            shape="qwen2-0.5b",
+            shape_layers=2,
+            dtype="float32",
+            num_requests=2,
+            skip_hf=True,
+            roofline_batch=2,
+        )
+    )
+    assert report["pdserve"]["output_tokens"] > 0
