@@ -170,7 +170,10 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         if not self.saves:
             return False, None
         handle = KVHandle(
-            self.fingerprint, self.block_size, request.num_prompt_tokens, prompt_hashes(request),
+            self.fingerprint,
+            self.block_size,
+            request.num_prompt_tokens,
+            prompt_hashes(request),
             self.url,
         )
         return False, handle  # blocks are copied out during the step: nothing to hold

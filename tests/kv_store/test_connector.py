@@ -236,3 +236,21 @@ def test_store_full(redis_server_factory, tmp_path, colocated):
         tokens, _, _, consumer = disaggregated(url, ps, True)
         assert tokens == reference(colocated, ps, True)
         consumer.close()
+
+
+def test_offline_llm_knobs(tmp_path):
+    """``LLM(kv_store=..., kv_role=...)``: the whole save → load flow in one Python process."""
+    from common import LLM
+
+    url = f"file://{tmp_path}/kv"
+    ps = prompts((40, 70), seed=21)
+    greedy = params(10, True)
+    producer = LLM(kv_store=url, kv_role="producer", **ENGINE_ARGS)
+    want = [o.outputs[0].token_ids for o in producer.generate(ps, greedy, use_tqdm=False)]
+    consumer = LLM(kv_store=url, kv_role="consumer", **ENGINE_ARGS)
+    got = [o.outputs[0].token_ids for o in consumer.generate(ps, greedy, use_tqdm=False)]
+    assert got == want
+    assert consumer.engine.runner.connector.num_loaded_blocks == 2 + 4  # full blocks only
+    consumer.check_integrity()
+    producer.engine.close()
+    consumer.engine.close()

@@ -1,0 +1,233 @@
+"""`FileIndex`: the LRU order, sizes and totals of one `FileStore` directory, shared by every
+process that opens it.
+
+NOTE: atime is useless on tmpfs and an mtime-touch LRU needs a directory scan to find its victim,
+so the order lives in a small SQLite database (WAL mode) beside the entries:
+
+    entries(name PRIMARY KEY, size, used)   used = a shared logical clock, higher = more recent
+    touches(used PRIMARY KEY, name)         reads not yet folded into entries.used
+    totals(entries, bytes, clock, evictions, hits, misses, pending_touches)   exact (triggers)
+
+Reads append to `touches` instead of updating `entries`: an append dirties one or two pages
+where 32 random-key updates dirty ~50 (measured: 1.6 vs 11 µs per touch at 8k entries). The log is
+folded into `entries.used` (one set-based UPDATE) right before an eviction needs the order, and
+whenever it grows past _FOLD_AT rows, so eviction order is exact LRU.
+
+Every write transaction runs under an exclusive `flock` on `index.lock` as well as SQLite's own
+lock: the kernel wakes a waiting process as soon as the lock is free, where SQLite's busy handler
+would sleep for milliseconds. The store's file operations that must agree with the index (rename
+into place, unlink of victims) run inside these transactions, so the directory and the index change
+together as seen by every other process. Readers never take the lock to read an entry; they take
+it once per batch to record their hits.
+
+Requirements: a local filesystem (WAL shares memory between processes; flock must be real), and
+SQLite ≥ 3.35 (RETURNING, UPDATE … FROM), which Python 3.10+ builds ship.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    name TEXT PRIMARY KEY, size INTEGER NOT NULL, used INTEGER NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS entries_by_use ON entries (used);
+CREATE TABLE IF NOT EXISTS touches (used INTEGER PRIMARY KEY, name TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS totals (
+    id INTEGER PRIMARY KEY CHECK (id = 0), entries INTEGER, bytes INTEGER, clock INTEGER,
+    evictions INTEGER, hits INTEGER, misses INTEGER, pending_touches INTEGER);
+INSERT OR IGNORE INTO totals VALUES (0, 0, 0, 0, 0, 0, 0, 0);
+CREATE TRIGGER IF NOT EXISTS entries_ins AFTER INSERT ON entries BEGIN
+    UPDATE totals SET entries = entries + 1, bytes = bytes + NEW.size; END;
+CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
+    UPDATE totals SET entries = entries - 1, bytes = bytes - OLD.size; END;
+CREATE TRIGGER IF NOT EXISTS entries_upd AFTER UPDATE OF size ON entries BEGIN
+    UPDATE totals SET bytes = bytes + NEW.size - OLD.size; END;
+"""
+_UPSERT = (
+    "INSERT INTO entries VALUES (?, ?, ?)"
+    " ON CONFLICT (name) DO UPDATE SET size = excluded.size, used = excluded.used"
+)
+_FOLD = (
+    "UPDATE entries SET used = MAX(entries.used, t.used)"
+    " FROM (SELECT name, MAX(used) AS used FROM touches GROUP BY name) AS t"
+    " WHERE entries.name = t.name"
+)
+_FOLD_AT = 8192  # pending touches that force a fold even without evictions
+
+
+class IndexTotals(NamedTuple):
+    """Counts over every process: committed entries and bytes, evictions, hits, misses."""
+
+    entries: int
+    bytes: int
+    evictions: int
+    hits: int
+    misses: int
+
+
+class FileIndex:
+    """The shared LRU index of a store directory. Thread-safe; one handle per process.
+
+    `unlink(name)` removes the entry file of `name` (True if it existed); the index calls it for
+    its eviction victims inside the transaction that drops them.
+    """
+
+    def __init__(self, root: Path, unlink: Callable[[str], bool]) -> None:
+        self._root = root
+        self._unlink = unlink
+        self._lock = threading.Lock()
+        self.created = not (root / "index.sqlite3").exists()
+        # Create both files 0600 before SQLite opens the db: its -wal/-shm files copy its mode.
+        for name in ("index.lock", "index.sqlite3"):
+            os.close(os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        self._lock_fd = os.open(root / "index.lock", os.O_RDWR | os.O_CLOEXEC)
+        self._pid = os.getpid()
+        self._db = sqlite3.connect(
+            root / "index.sqlite3", timeout=30, isolation_level=None, check_same_thread=False
+        )
+        with self._flock():
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+
+    @contextlib.contextmanager
+    def _flock(self) -> Iterator[None]:
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One exclusive write transaction across threads and processes; rolls back on error."""
+        with self._lock:
+            if self._pid != os.getpid():
+                # A forked child shares the parent's SQLite handle and flock description: using
+                # them would corrupt the index or void the mutual exclusion.
+                raise RuntimeError("a FileStore belongs to the process that opened it")
+            with self._flock():
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+
+    def admit(
+        self, sizes: Mapping[str, int], capacity: int, publish: Callable[[], Collection[str]]
+    ) -> None:
+        """Make room for `sizes` (name → bytes, total ≤ capacity) by evicting least-recently-used
+        entries, call `publish()` to put the files in place, and record the names it returns as
+        the most recent, in that order, in one transaction."""
+        with self.transaction() as db:
+            (clock, used) = db.execute(
+                "UPDATE totals SET clock = clock + ? RETURNING clock, bytes", (len(sizes),)
+            ).fetchone()
+            over = used + sum(sizes.values()) - capacity
+            if over > 0:
+                self._fold(db)
+                self._evict(db, over, sizes)
+            published = publish()
+            first = clock - len(sizes) + 1
+            rows = [(n, s, first + j) for j, (n, s) in enumerate(sizes.items()) if n in published]
+            db.executemany(_UPSERT, rows)
+
+    def _evict(self, db: sqlite3.Connection, over: int, incoming: Mapping[str, int]) -> None:
+        """Drop and unlink LRU entries not in `incoming` until `over` bytes are freed; entries of
+        the same names as incoming ones count as freed already (they will be replaced)."""
+        marks = ",".join("?" * len(incoming))
+        (replaced,) = db.execute(
+            f"SELECT COALESCE(SUM(size), 0) FROM entries WHERE name IN ({marks})", list(incoming)
+        ).fetchone()
+        over -= replaced
+        victims = []
+        lru_first = db.execute("SELECT name, size FROM entries ORDER BY used")
+        for name, size in lru_first:
+            if over <= 0:
+                break
+            if name not in incoming:
+                victims.append((name,))
+                over -= size
+        lru_first.close()
+        for (name,) in victims:
+            self._unlink(name)
+        db.executemany("DELETE FROM entries WHERE name = ?", victims)
+        db.execute("UPDATE totals SET evictions = evictions + ?", (len(victims),))
+
+    def touch(self, hit_names: Sequence[str], misses: int) -> None:
+        """Move `hit_names` to the most-recently-used end and count a batch of lookups."""
+        n = len(hit_names)
+        with self.transaction() as db:
+            (clock, pending) = db.execute(
+                "UPDATE totals SET clock = clock + ?, hits = hits + ?, misses = misses + ?,"
+                " pending_touches = pending_touches + ? RETURNING clock, pending_touches",
+                (n, n, misses, n),
+            ).fetchone()
+            first = clock - n + 1
+            db.executemany(
+                "INSERT INTO touches VALUES (?, ?)",
+                [(first + j, nm) for j, nm in enumerate(hit_names)],
+            )
+            if pending >= _FOLD_AT:
+                self._fold(db)
+
+    def _fold(self, db: sqlite3.Connection) -> None:
+        """Apply the touch log to entries.used and empty it."""
+        db.execute(_FOLD)
+        db.execute("DELETE FROM touches")
+        db.execute("UPDATE totals SET pending_touches = 0")
+
+    def forget(self, names: Sequence[str]) -> int:
+        """Unlink and drop the entries of `names`; returns how many files existed."""
+        with self.transaction() as db:
+            removed = sum(self._unlink(name) for name in names)
+            db.executemany("DELETE FROM entries WHERE name = ?", [(n,) for n in names])
+        return removed
+
+    def forget_all(self, remove_files: Callable[[], int]) -> int:
+        """Drop every row while `remove_files()` empties the directory; returns its result."""
+        with self.transaction() as db:
+            removed = remove_files()
+            db.execute("DELETE FROM entries")
+            self._fold(db)  # empties the touch log
+        return removed
+
+    def reconcile(self, scan: Callable[[], Mapping[str, tuple[int, int]]]) -> tuple[int, int]:
+        """Make the rows match `scan()` (name → (size, mtime_ns) of the files on disk), taken
+        under the lock. Returns (rows added, rows dropped); adopted files become the least
+        recently used, oldest mtime first."""
+        with self.transaction() as db:
+            on_disk = scan()
+            indexed = {name for (name,) in db.execute("SELECT name FROM entries")}
+            missing = [(name,) for name in indexed - on_disk.keys()]
+            db.executemany("DELETE FROM entries WHERE name = ?", missing)
+            adopted = sorted(on_disk.keys() - indexed, key=lambda n: on_disk[n][1])
+            (lowest,) = db.execute("SELECT COALESCE(MIN(used), 0) FROM entries").fetchone()
+            db.executemany(
+                "INSERT INTO entries VALUES (?, ?, ?)",
+                [(n, on_disk[n][0], lowest - len(adopted) + j) for j, n in enumerate(adopted)],
+            )
+        return len(adopted), len(missing)
+
+    def totals(self) -> IndexTotals:
+        with self.transaction() as db:
+            row = db.execute("SELECT entries, bytes, evictions, hits, misses FROM totals")
+            return IndexTotals(*(int(v) for v in row.fetchone()))
+
+    def close(self) -> None:
+        """Idempotent. In a forked child, only forgets the inherited handles."""
+        with self._lock:
+            if self._lock_fd >= 0 and self._pid == os.getpid():
+                self._db.close()
+                os.close(self._lock_fd)
+            self._lock_fd = -1

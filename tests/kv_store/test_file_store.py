@@ -1,0 +1,242 @@
+"""FileStore in a temp dir: round trips, verification, two-phase commit, LRU order, permissions."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kv_store import HEADER_SIZE, FileStore, entry
+from kv_store.file_store import default_root
+from tests.kv_store import block_key, payload_for
+
+FP = "tiny-llama|float32|bs16|L4|kv2|d32"
+SIZES = [1, 100, 4096, 32768, 65536, 2 << 20]
+ENTRY = 1000  # payload bytes in the capacity tests
+FILE = HEADER_SIZE + ENTRY
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[FileStore]:
+    with FileStore(tmp_path / "ns", FP, capacity_bytes=64 << 20) as s:
+        yield s
+
+
+def _put(store: FileStore, keys: list[str], size: int = ENTRY, num_tokens: int = 16) -> list[bool]:
+    return store.put_many(keys, [payload_for(k, size) for k in keys], [num_tokens] * len(keys))
+
+
+def _read(store: FileStore, keys: list[str], size: int = ENTRY, num_tokens: int = 16) -> list[bool]:
+    """get_many_into; asserts every hit holds exactly the key's payload."""
+    out = [memoryview(bytearray(size)) for _ in keys]
+    found = store.get_many_into(keys, [num_tokens] * len(keys), out)
+    for key, hit, buf in zip(keys, found, out):
+        assert not hit or buf.tobytes() == payload_for(key, size), key
+    return found
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trip(store: FileStore, size: int) -> None:
+    keys = [block_key(FP, i) for i in range(4)]
+    assert _put(store, keys, size) == [True] * 4
+    assert _read(store, keys, size) == [True] * 4
+    assert store.get_many(keys, [16] * 4) == [payload_for(k, size) for k in keys]
+    assert store.path_of(keys[0]).stat().st_size == HEADER_SIZE + size
+
+
+def test_contains_delete_and_overwrite(store: FileStore) -> None:
+    keys = [block_key(FP, i) for i in range(6)]
+    _put(store, keys[::2])
+    assert store.contains_many(keys) == [i % 2 == 0 for i in range(6)]
+    store.put_many([keys[0]], [b"new"], [3])  # overwrite: replaced, not double counted
+    assert store.get_many([keys[0]], [3]) == [b"new"]
+    assert store.stats().bytes == 2 * FILE + HEADER_SIZE + 3
+    assert store.delete_many([keys[0], keys[1]]) == 1
+    assert store.contains_many(keys[:3]) == [False, False, True]
+    assert (store.stats().entries, store.stats().bytes) == (2, 2 * FILE)
+
+
+@pytest.mark.parametrize("offset", [0, 6, 20, 40, 63, HEADER_SIZE, HEADER_SIZE + ENTRY - 1])
+def test_corrupt_file_is_a_miss(store: FileStore, offset: int) -> None:
+    key = block_key(FP, 0)
+    _put(store, [key])
+    _flip(store.path_of(key), offset)
+    assert _read(store, [key]) == [False]
+    assert store.get_many([key], [16]) == [None]
+
+
+def test_truncated_or_extended_file_is_a_miss(store: FileStore) -> None:
+    keys = [block_key(FP, i) for i in range(2)]
+    _put(store, keys)
+    os.truncate(store.path_of(keys[0]), HEADER_SIZE + ENTRY - 1)
+    with open(store.path_of(keys[1]), "ab") as f:
+        f.write(b"extra")
+    assert _read(store, keys) == [False, False]
+
+
+def test_foreign_fingerprint_token_count_or_size_is_a_miss(store: FileStore) -> None:
+    key = block_key(FP, 0)
+    _put(store, [key])
+    with FileStore(store.root, "other-model") as other:  # same directory, other fingerprint
+        assert other.get_many_into([key], [16], [memoryview(bytearray(ENTRY))]) == [False]
+    assert _read(store, [key], num_tokens=15) == [False]
+    assert _read(store, [key], size=ENTRY - 1) == [False]
+    assert _read(store, [key]) == [True]
+
+
+def test_half_written_entries_are_invisible(store: FileStore) -> None:
+    key = block_key(FP, 0)
+    payload = payload_for(key, ENTRY)
+    # (1) a complete temp file whose rename never happened (writer died before committing)
+    final = store.path_of(key)
+    temp = final.parent / f".tmp-{final.name}-999999-0"
+    temp.write_bytes(entry.encode_header(store._fp_digest, 16, payload) + payload)
+    assert _read(store, [key]) == [False] and store.contains_many([key]) == [False]
+    # (2) a file in place whose header was never committed (payload written, header not flipped)
+    final.write_bytes(entry.encode_header(store._fp_digest, 16, payload, committed=False) + payload)
+    assert _read(store, [key]) == [False]
+    # (3) payload written, header still zeros
+    final.write_bytes(bytes(HEADER_SIZE) + payload)
+    assert _read(store, [key]) == [False]
+
+
+def test_stale_temp_files_are_swept(tmp_path: Path) -> None:
+    FileStore(tmp_path / "ns", FP).close()
+    stale, fresh = tmp_path / "ns/ab/.tmp-x-1-0", tmp_path / "ns/ab/.tmp-y-1-0"
+    stale.write_bytes(b"old")
+    fresh.write_bytes(b"in flight")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    FileStore(tmp_path / "ns", FP).close()
+    assert not stale.exists() and fresh.exists()
+
+
+def test_lru_eviction_order(tmp_path: Path) -> None:
+    k = [block_key(FP, i) for i in range(8)]
+    with FileStore(tmp_path / "ns", FP, capacity_bytes=4 * FILE) as s:
+        assert _put(s, k[:4]) == [True] * 4  # LRU order: 0 1 2 3
+        assert _read(s, [k[0]]) == [True]  # 1 2 3 0
+        assert _put(s, [k[4]]) == [True]  # evicts 1 → 2 3 0 4
+        assert _read(s, [k[2], k[5]]) == [True, False]  # 3 0 4 2
+        assert _put(s, [k[0]]) == [True]  # re-put of a present key evicts nothing → 3 4 2 0
+        assert _put(s, k[5:7]) == [True, True]  # evicts 3, 4 → 2 0 5 6
+        assert s.contains_many(k) == [True, False, True, False, False, True, True, False]
+        stats = s.stats()
+        assert (stats.entries, stats.bytes, stats.evictions) == (4, 4 * FILE, 3)
+        assert _put(s, [k[7]], size=4 * FILE) == [False]  # can never fit
+        assert s.reconcile() == (0, 0)
+
+
+def test_capacity_shared_between_handles(tmp_path: Path) -> None:
+    k = [block_key(FP, i) for i in range(6)]
+    with (
+        FileStore(tmp_path / "ns", FP, capacity_bytes=3 * FILE) as a,
+        FileStore(tmp_path / "ns", FP, capacity_bytes=3 * FILE) as b,
+    ):
+        _put(a, k[:3])
+        assert _read(b, [k[0]]) == [True]  # b's read protects k0 from a's next eviction
+        _put(a, [k[3]])
+        assert a.contains_many(k[:4]) == [True, False, True, True]
+        stats = b.stats()
+        assert (stats.entries, stats.bytes, stats.shared_hits) == (3, 3 * FILE, 1)
+        assert (stats.gets, stats.hits) == (1, 1)  # per-handle counters
+
+
+def test_permissions(tmp_path: Path) -> None:
+    old_umask = os.umask(0)  # modes must not depend on the caller's umask
+    try:
+        with FileStore(tmp_path / "base" / "ns", FP) as s:
+            _put(s, [block_key(FP, 0)])
+            _read(s, [block_key(FP, 0)])
+    finally:
+        os.umask(old_umask)
+    for path in [tmp_path / "base", *(tmp_path / "base").rglob("*")]:
+        expected = 0o700 if path.is_dir() else 0o600
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
+
+
+def test_default_root_is_per_fingerprint() -> None:
+    root = default_root(FP)
+    assert root.parent == Path("/dev/shm/pdserve")
+    assert root.name == entry.fingerprint_digest(FP).hex() != default_root("x").name
+
+
+def test_reconcile_repairs_index(store: FileStore) -> None:
+    keys = [block_key(FP, i) for i in range(3)]
+    _put(store, keys)
+    os.unlink(store.path_of(keys[0]))  # file lost behind the index's back
+    orphan = store.path_of(block_key(FP, 9))  # file the index never heard of
+    orphan.write_bytes(store.path_of(keys[1]).read_bytes())
+    assert store.reconcile() == (1, 1)
+    assert store.reconcile() == (0, 0)
+    assert store.stats().entries == 3
+
+
+def test_clear(store: FileStore) -> None:
+    _put(store, [block_key(FP, i) for i in range(5)])
+    (store.root / "00" / ".tmp-x-1-0").write_bytes(b"junk")
+    assert store.clear() == 6
+    assert (store.stats().entries, store.stats().bytes) == (0, 0)
+    assert not any(p.is_file() for p in store.root.glob("??/*"))
+
+
+def test_unreadable_root_is_misses_not_exceptions(store: FileStore) -> None:
+    key = block_key(FP, 0)
+    _put(store, [key])
+    store.path_of(key).unlink()
+    store.path_of(key).mkdir()  # open() of a directory for reading fails with EISDIR
+    assert _read(store, [key]) == [False]
+    assert store.get_many([key], [16]) == [None]
+    assert store.stats().errors == 2
+
+
+def test_one_writer_one_reader_thread(tmp_path: Path) -> None:
+    keys = [block_key(FP, i) for i in range(64)]
+    errors: list[BaseException] = []
+    with FileStore(tmp_path / "ns", FP, capacity_bytes=40 * FILE) as s:  # evicting all along
+
+        def writer() -> None:
+            for _ in range(5):
+                for i in range(0, 64, 8):
+                    _put(s, keys[i : i + 8])
+
+        def reader() -> None:
+            try:
+                for _ in range(20):
+                    _read(s, keys)  # every hit is checked byte for byte
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert s.stats().bytes <= 40 * FILE and s.reconcile() == (0, 0)
+
+
+def test_handle_refuses_to_cross_fork(store: FileStore) -> None:
+    pid = os.fork()
+    if pid == 0:  # child: the inherited SQLite handle and flock must not be used
+        try:
+            store.put_many(["k"], [b"x"], [1])
+            os._exit(1)
+        except RuntimeError:
+            os._exit(0)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not list(store.root.glob("??/.tmp-*"))  # the child's staged file was cleaned up
+    assert _put(store, [block_key(FP, 0)]) == [True]  # the parent's handle is unaffected

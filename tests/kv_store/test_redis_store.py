@@ -1,0 +1,197 @@
+"""RedisStore against a real, private redis-server (see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kv_store import HEADER_SIZE, RedisStore
+from tests.conftest import RedisServer
+from tests.kv_store import block_key, payload_for
+
+FP = "tiny-llama|float32|bs16|L4|kv2|d32"
+SIZES = [1, 100, 4096, 32768, 65536, 2 << 20]
+
+
+@pytest.fixture
+def store(redis_server: RedisServer) -> Iterator[RedisStore]:
+    with RedisStore(redis_server.url, FP) as s:
+        yield s
+
+
+def _put(store: RedisStore, keys: list[str], size: int, num_tokens: int = 16) -> list[bool]:
+    return store.put_many(keys, [payload_for(k, size) for k in keys], [num_tokens] * len(keys))
+
+
+def _read(store: RedisStore, keys: list[str], size: int, num_tokens: int = 16) -> list[bool]:
+    """get_many_into; asserts every hit holds exactly the key's payload."""
+    out = [memoryview(bytearray(size)) for _ in keys]
+    found = store.get_many_into(keys, [num_tokens] * len(keys), out)
+    for key, hit, buf in zip(keys, found, out):
+        assert not hit or buf.tobytes() == payload_for(key, size), key
+    return found
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trip(store: RedisStore, size: int) -> None:
+    keys = [block_key(FP, i) for i in range(4)]
+    assert _put(store, keys, size) == [True] * 4
+    assert _read(store, keys, size) == [True] * 4
+    assert store.get_many(keys, [16] * 4) == [payload_for(k, size) for k in keys]
+
+
+def test_numpy_buffers_in_and_out(store: RedisStore) -> None:
+    src = np.random.default_rng(0).standard_normal((4, 2, 16, 2, 32)).astype(np.float16)
+    dst = np.zeros_like(src)
+    assert store.put_many(["k"], [memoryview(src)], [16]) == [True]
+    assert store.get_many_into(["k"], [16], [memoryview(dst)]) == [True]
+    assert np.array_equal(src, dst)
+
+
+def test_contains_many(store: RedisStore) -> None:
+    keys = [block_key(FP, i) for i in range(10)]
+    _put(store, keys[::2], 64)
+    assert store.contains_many(keys) == [i % 2 == 0 for i in range(10)]
+    assert store.contains_many([]) == []
+
+
+def test_stats_and_counters(store: RedisStore) -> None:
+    keys = [block_key(FP, i) for i in range(5)]
+    _put(store, keys[:3], 1000)
+    _read(store, keys, 1000)
+    stats = store.stats()
+    assert (stats.entries, stats.bytes) == (3, 3 * (HEADER_SIZE + 1000))
+    assert (stats.puts, stats.gets, stats.hits, stats.misses, stats.errors) == (3, 5, 3, 2, 0)
+    assert stats.hit_rate == pytest.approx(0.6)
+
+
+def test_corrupt_entry_is_a_miss(store: RedisStore, redis_server: RedisServer) -> None:
+    keys = [block_key(FP, i) for i in range(3)]
+    _put(store, keys, 4096)
+    client = redis_server.client()
+    client.setrange(keys[0], HEADER_SIZE + 100, b"\xff")  # payload byte
+    client.setrange(keys[1], 10, b"\x07")  # header byte
+    assert _read(store, keys, 4096) == [False, False, True]
+    client.set(keys[2], b"not an entry")
+    assert store.get_many(keys, [16] * 3) == [None, None, None]
+
+
+def test_foreign_fingerprint_token_count_or_size_is_a_miss(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    key = block_key(FP, 0)
+    _put(store, [key], 512, num_tokens=16)
+    with RedisStore(redis_server.url, "other-model") as other:
+        assert other.get_many_into([key], [16], [memoryview(bytearray(512))]) == [False]
+    assert _read(store, [key], 512, num_tokens=15) == [False]
+    assert _read(store, [key], 511) == [False]
+    assert _read(store, [key], 512) == [True]
+
+
+def test_killed_server_is_misses_then_recovers(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    keys = [block_key(FP, i) for i in range(4)]
+    _put(store, keys, 256)
+    redis_server.kill()
+    assert _read(store, keys, 256) == [False] * 4
+    assert store.get_many(keys, [16] * 4) == [None] * 4
+    assert store.contains_many(keys) == [False] * 4
+    assert _put(store, keys, 256) == [False] * 4
+    assert store.delete_many(keys) == 0
+    assert store._counters.errors == 4 * 5  # stats() needs the server; its counters do not
+
+    redis_server.restart()  # back, but empty
+    assert _read(store, keys, 256) == [False] * 4
+    assert _put(store, keys, 256) == [True] * 4
+    assert _read(store, keys, 256) == [True] * 4
+
+
+def test_ttl_from_url_and_kwarg(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    with RedisStore(redis_server.url + "?ttl=100", FP) as s:
+        _put(s, ["a"], 10)
+        assert 0 < client.ttl("a") <= 100
+    with RedisStore(redis_server.url + "?ttl=100", FP, ttl_s=5) as s:
+        _put(s, ["b"], 10)
+        assert 0 < client.ttl("b") <= 5
+    with RedisStore(redis_server.url, FP) as s:
+        _put(s, ["c"], 10)
+        assert client.ttl("c") == -1
+
+
+def test_password_and_db_in_url(redis_server_factory: Callable[..., RedisServer]) -> None:
+    server = redis_server_factory(password="s3cret")
+    base = f"127.0.0.1:{server.port}"
+    for url in (f"redis://:s3cret@{base}/3", f"redis://default:s3cret@{base}/3"):
+        with RedisStore(url, FP) as s:
+            assert _put(s, ["k"], 10) == [True] and _read(s, ["k"], 10) == [True]
+    with RedisStore(f"redis://:wrong@{base}/3", FP) as s:
+        assert _put(s, ["k"], 10) == [False] and _read(s, ["k"], 10) == [False]
+
+
+def test_allkeys_lru_evicts_but_never_corrupts(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    server = redis_server_factory(maxmemory="4mb", policy="allkeys-lru")
+    keys = [block_key(FP, i) for i in range(200)]  # 200 x 64 KiB = 12.5 MiB > 4 MiB
+    with RedisStore(server.url, FP) as s:
+        for i in range(0, 200, 10):
+            _put(s, keys[i : i + 10], 65536)
+        found = _read(s, keys, 65536)  # _read checks every hit byte for byte
+        assert 0 < sum(found) < 200
+        # Redis's LRU is approximate (it samples keys), so compare old vs recent, not exact keys.
+        assert sum(found[:50]) < sum(found[-50:])
+        assert s.stats().evictions > 0
+
+
+def test_oom_write_returns_false(redis_server_factory: Callable[..., RedisServer]) -> None:
+    server = redis_server_factory(maxmemory="2mb", policy="noeviction")
+    keys = [block_key(FP, i) for i in range(64)]
+    with RedisStore(server.url, FP) as s:
+        ok = [r for i in range(0, 64, 8) for r in _put(s, keys[i : i + 8], 65536)]
+        assert ok[0] and not ok[-1]
+        assert s.stats().errors == ok.count(False)
+        assert _read(s, keys, 65536) == ok
+
+
+def test_namespaces_are_isolated(redis_server: RedisServer) -> None:
+    fp_glob = "weird*fp[x]?"  # glob metacharacters must not widen SCAN MATCH
+    with RedisStore(redis_server.url, FP) as a, RedisStore(redis_server.url, fp_glob) as b:
+        _put(a, [block_key(FP, i) for i in range(3)], 10)
+        _put(b, [block_key(fp_glob, i) for i in range(2)], 10)
+        _put(a, ["weird-fp-unrelated"], 10)
+        assert (a.stats().entries, b.stats().entries) == (3, 2)
+        assert b.clear() == 2
+        assert (a.stats().entries, b.stats().entries) == (3, 0)
+        assert a.delete_many([block_key(FP, 0), "missing"]) == 1
+        assert a.clear() == 2
+        assert redis_server.client().exists("weird-fp-unrelated") == 1
+
+
+def test_one_writer_one_reader_thread(store: RedisStore) -> None:
+    keys = [block_key(FP, i) for i in range(64)]
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        for _ in range(5):
+            for i in range(0, 64, 8):
+                _put(store, keys[i : i + 8], 8192)
+
+    def reader() -> None:
+        try:
+            for _ in range(40):
+                _read(store, keys, 8192)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert _read(store, keys, 8192) == [True] * 64
