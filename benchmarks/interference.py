@@ -89,7 +89,7 @@ class Setup:
         await asyncio.gather(*(c.start() for c in self.clients))
         cores = [{0}, {1}] if self.disaggregated else [{0, 1}]
         for client, cpus in zip(self.clients, cores):
-            pid = client._process.pid if client._process else None
+            pid = client.info.pid if client.info else None
             if pid and hasattr(os, "sched_setaffinity") and os.cpu_count() and os.cpu_count() >= 2:
                 os.sched_setaffinity(pid, cpus)
 

@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -46,13 +47,19 @@ from common.core_messages import (
     encode,
     engine_config_to_dict,
 )
-from common.core_process import run_engine_core
 from common.sampling_params import SamplingParams
 from common.scheduler import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
 _WATCH_MS = 500  # how often the reader checks that the core is alive while no message comes
+
+
+def _engine_core_main(*args: object) -> None:
+    """Spawn target: imports the engine (torch) in the child only, keeping the frontend light."""
+    from common.core_process import run_engine_core
+
+    run_engine_core(*args)  # type: ignore[arg-type]
 
 
 class CoreRequestError(Exception):
@@ -90,6 +97,7 @@ class OutputStream:
     def __init__(self, client: CoreClient, request_id: str, queue: asyncio.Queue[_Item]) -> None:
         self._client, self.request_id, self._queue = client, request_id, queue
         self._done = False
+        self._held: _Item | None = None  # taken from the queue by ready(), not yet returned
 
     def __aiter__(self) -> OutputStream:
         return self
@@ -98,10 +106,29 @@ class OutputStream:
         if self._done:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
+            item = self._take() or await self._queue.get()
         except asyncio.CancelledError:
             self._close()
             raise
+        return self._accept(item)
+
+    def ready(self) -> list[CoreOutput]:
+        """Outputs already queued, without waiting (up to the final one). Lets a consumer that
+        fell behind send several steps' tokens at once; an error stays for ``__anext__``."""
+        items: list[CoreOutput] = []
+        while not self._done and self._held is None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, CoreRequestError):
+                self._held = item
+            else:
+                items.append(self._accept(item))
+        return items
+
+    def _take(self) -> _Item | None:
+        item, self._held = self._held, None
+        return item
+
+    def _accept(self, item: _Item) -> CoreOutput:
         if isinstance(item, CoreRequestError):
             self._done = True
             raise item
@@ -139,6 +166,7 @@ class CoreClient:
         self._load_waiters: dict[int, asyncio.Future[LoadStats]] = {}
         self._query_ids = itertools.count()
         self._dead: str | None = None  # why the core is unusable, once it is
+        self._failed = asyncio.Event()  # set when the core died or failed (not on shutdown)
         self._ready: asyncio.Future[Ready] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -146,7 +174,7 @@ class CoreClient:
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._input = self._bind(self._sync_ctx, zmq.PUSH, "input")
-        self._output = self._bind(self._async_ctx, zmq.PULL, "output")
+        self._output = cast(zmq.asyncio.Socket, self._bind(self._async_ctx, zmq.PULL, "output"))
 
     def _bind(self, context: zmq.Context, kind: int, name: str) -> zmq.Socket:
         sock = context.socket(kind)
@@ -162,7 +190,7 @@ class CoreClient:
         out first (the child is killed then)."""
         context = multiprocessing.get_context("spawn")
         self._process = context.Process(
-            target=run_engine_core,
+            target=_engine_core_main,
             args=(
                 engine_config_to_dict(self.config),
                 f"ipc://{self._dir / 'input'}",
@@ -213,6 +241,12 @@ class CoreClient:
         self._async_ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    async def wait_failed(self) -> str:
+        """Return, with the reason, once the core has died or failed (never after a plain
+        :meth:`shutdown`)."""
+        await self._failed.wait()
+        return self._dead or "engine core failed"
+
     @property
     def alive(self) -> bool:
         return self._dead is None and self.info is not None
@@ -242,7 +276,9 @@ class CoreClient:
         else:
             self._queues[request_id] = queue
             outputs = output_token_ids or []
-            self._send(AddRequest(request_id, prompt_token_ids, params, priority, outputs))
+            if not self._send(AddRequest(request_id, prompt_token_ids, params, priority, outputs)):
+                del self._queues[request_id]
+                queue.put_nowait(CoreRequestError("unavailable", "engine core is not connected"))
         return OutputStream(self, request_id, queue)
 
     def _refusal(self, request_id: str) -> CoreRequestError | None:
@@ -279,8 +315,16 @@ class CoreClient:
         finally:
             self._load_waiters.pop(query_id, None)
 
-    def _send(self, message: Message) -> None:
-        self._input.send(encode(message), copy=False)
+    def _send(self, message: Message) -> bool:
+        """Queue ``message`` for the core without ever blocking the event loop.
+
+        A PUSH socket with no connected peer would block forever (a core that died before or
+        while connecting); that is reported as False instead."""
+        try:
+            self._input.send(encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     # -- the reader --------------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -326,6 +370,7 @@ class CoreClient:
 
     def _set_dead(self, reason: str) -> None:
         self._dead = self._dead or reason  # the first reason is the useful one
+        self._failed.set()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(reason))
         self._fail_all("unavailable", reason)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.kv_connector import KVHandle

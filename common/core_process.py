@@ -82,16 +82,16 @@ class RequestClocks:
 
     def after_step(self, engine: EngineCore, step_start: float) -> None:
         """Stamp requests whose status changed during the step that began at ``step_start``."""
+        waiting_kv = RequestStatus.WAITING_FOR_REMOTE_KV
         for request_id, clock in self._clocks.items():
             request = engine.scheduler.requests.get(request_id)
             status = request.status if request is not None else None
             if clock.scheduled is None and status != RequestStatus.WAITING:
                 clock.scheduled = step_start
-            if status == RequestStatus.WAITING_FOR_REMOTE_KV and clock.load_start is None:
+            if status == waiting_kv and clock.load_start is None:
                 clock.load_start = step_start
-            elif clock.load_start is not None and clock.load_end is None:
-                if status != RequestStatus.WAITING_FOR_REMOTE_KV:
-                    clock.load_end = step_start  # loads land before the step schedules
+            elif clock.load_start is not None and clock.load_end is None and status != waiting_kv:
+                clock.load_end = step_start  # loads land before the step schedules
 
     def first_output(self, request_id: str) -> RequestTiming | None:
         """The request's timing if this is its first output (then it stops being tracked)."""
@@ -111,19 +111,26 @@ class EngineCoreProc:
         self._stopping = False
 
     def run(self) -> None:
+        next_check = time.monotonic() + _PARENT_CHECK_MS / 1e3
         while not self._stopping:
             self._receive(block=not self.engine.has_unfinished())
             if not self._stopping:
                 self._step()
+            if time.monotonic() > next_check:  # busy for long: still check now and then
+                next_check = time.monotonic() + _PARENT_CHECK_MS / 1e3
+                self._check_parent()
+
+    def _check_parent(self) -> None:
+        """Stop if the frontend died without a ``Shutdown`` (we were re-parented)."""
+        if not self._stopping and os.getppid() != self._parent_pid:
+            logger.warning("frontend process is gone: engine core exits")
+            self._stopping = True
 
     # -- input -------------------------------------------------------------------------------
     def _receive(self, block: bool) -> None:
         """Handle every waiting message; with ``block``, first wait for one."""
-        while block and not self.input.poll(_PARENT_CHECK_MS):
-            if os.getppid() != self._parent_pid:
-                logger.warning("frontend process is gone: engine core exits")
-                self._stopping = True
-                return
+        while block and not self._stopping and not self.input.poll(_PARENT_CHECK_MS):
+            self._check_parent()
         while not self._stopping:
             try:
                 data = self.input.recv(zmq.NOBLOCK)

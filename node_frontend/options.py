@@ -1,0 +1,156 @@
+"""Node flags, ``PDSERVE_*`` environment overrides, and the engine config they make.
+
+Precedence: a flag given on the command line, else ``PDSERVE_<FLAG>`` (``--kv-store`` ↔
+``PDSERVE_KV_STORE``), else the default. The environment is read once, in
+:func:`options_from_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from common.config import EngineConfig, env_overrides
+
+PREFILL_PORT = 50061
+DECODE_PORT = 50071
+
+
+# NodeOptions fields handed to the engine as they are (when set)
+ENGINE_OPTIONS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "num_blocks",
+    "block_size",
+    "dtype",
+    "device",
+    "max_model_len",
+    "cpu_threads",
+    "kv_cache_memory_gb",
+)
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """Everything a node process is started with. Engine fields left ``None`` keep the engine's
+    own defaults."""
+
+    kv_store: str  # redis://… or file:///…
+    port: int  # 0: an ephemeral port (reported on stdout as ``PDSERVE_READY port=N``)
+    model: str = "tiny-llama"
+    host: str = "127.0.0.1"
+    advertise_address: str | None = None  # host:port the router should call; default host:port
+    router: str | None = None  # router gRPC address to register with
+    max_queue: int = 1024  # requests admitted beyond max_num_seqs; over it: RESOURCE_EXHAUSTED
+    drain_timeout: float = 30.0  # seconds to finish in-flight work after SIGTERM/SIGINT
+    startup_timeout: float = 600.0  # seconds for the engine core to come up
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    num_blocks: int | None = None
+    block_size: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    max_model_len: int | None = None
+    cpu_threads: int | None = None
+    kv_cache_memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.kv_store:
+            raise ValueError("--kv-store is required (redis://… or file:///…)")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.drain_timeout < 0 or self.startup_timeout <= 0:
+            raise ValueError("drain_timeout must be >= 0 and startup_timeout > 0")
+
+    def engine_config(self, kv_role: str) -> EngineConfig:
+        """The engine of this node; its waiting bound never trips before the node's own."""
+        names = ENGINE_OPTIONS
+        kwargs: dict[str, Any] = {
+            n: getattr(self, n) for n in names if getattr(self, n) is not None
+        }
+        max_waiting = (self.max_num_seqs or 256) + self.max_queue
+        return EngineConfig.from_kwargs(
+            model=self.model,
+            kv_store=self.kv_store,
+            kv_role=kv_role,
+            max_waiting=max(1, max_waiting),
+            **kwargs,
+        )
+
+    def address(self, bound_port: int) -> str:
+        """Where the router should call: ``--advertise-address``, else host:port - with a
+        wildcard host (0.0.0.0, ::) replaced by this machine's address (a container's IP)."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:  # an unresolvable hostname: let the router resolve it
+                host = socket.gethostname()
+        return f"{host}:{bound_port}"
+
+
+# (flag, converter, help); the option name is the flag without dashes, '-' → '_'
+_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
+    ("--model", str, "built-in model name or HF directory (default tiny-llama)"),
+    ("--kv-store", str, "KV store URL: redis://host:port/db or file:///dir (required)"),
+    ("--host", str, "address to bind (default 127.0.0.1)"),
+    ("--port", int, "port to bind; 0 = ephemeral (default: {port})"),
+    ("--advertise-address", str, "host:port the router should call (default host:port)"),
+    ("--router", str, "router gRPC address (host:port) to register with"),
+    ("--max-queue", int, "requests admitted beyond --max-num-seqs (default 1024)"),
+    ("--drain-timeout", float, "seconds to finish in-flight work on SIGTERM (default 30)"),
+    ("--startup-timeout", float, "seconds to wait for the engine core (default 600)"),
+    ("--max-num-batched-tokens", int, "engine token budget per step"),
+    ("--max-num-seqs", int, "engine: requests running at once"),
+    ("--num-blocks", int, "engine: KV cache blocks (default: from the memory budget)"),
+    ("--block-size", int, "engine: tokens per KV block (default 16)"),
+    ("--dtype", str, "engine: auto, float32, bfloat16 or float16"),
+    ("--device", str, "engine: auto, cpu, cuda, cuda:N"),
+    ("--max-model-len", int, "engine: longest prompt + output (default: the model's)"),
+    ("--cpu-threads", int, "engine (CPU): torch threads of the engine process"),
+    ("--kv-cache-memory-gb", float, "engine: KV cache size in GiB (default: from free memory)"),
+]
+
+
+def _name(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_node_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """Add the flags every node takes. Defaults are applied later (so env can override)."""
+    for flag, convert, text in _FLAGS:
+        env = "PDSERVE_" + _name(flag).upper()
+        parser.add_argument(
+            flag, type=convert, default=None, help=f"{text} [{env}]".format(port=default_port)
+        )
+
+
+def options_from_args(
+    args: argparse.Namespace, default_port: int, env: dict[str, str] | None = None
+) -> NodeOptions:
+    """Merge flags, environment (``env``, default: ``PDSERVE_*`` now) and defaults.
+
+    Raises ValueError with the offending name on a bad value.
+    """
+    env = env_overrides() if env is None else env
+    values: dict[str, Any] = {"port": default_port}
+    for flag, convert, _ in _FLAGS:
+        name = _name(flag)
+        given = getattr(args, name, None)
+        if given is None and name in env:
+            try:
+                given = convert(env[name])
+            except ValueError as e:
+                raise ValueError(f"PDSERVE_{name.upper()}={env[name]!r}: {e}") from None
+        if given is not None:
+            values[name] = given
+    values.setdefault("kv_store", "")
+    known = {f.name for f in fields(NodeOptions)}
+    return NodeOptions(**{k: v for k, v in values.items() if k in known})

@@ -1,0 +1,162 @@
+"""State shared by a node's RPC handlers: the engine-core client, admission, drain, health, stats.
+
+Admission: a request is refused with UNAVAILABLE while the node is starting or draining, and
+with RESOURCE_EXHAUSTED when ``max_queue`` requests already wait beyond the ``max_num_seqs`` the
+engine runs at once. Every admitted request is counted until its handler returns, which is what
+draining waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+from pdserve_proto import pdserve_pb2 as pb
+
+from common.core_client import CoreClient, CoreRequestError
+from common.core_messages import Ready
+from node_frontend.convert import load_report
+from node_frontend.options import NodeOptions
+from node_frontend.stats import NodeStats
+
+logger = logging.getLogger(__name__)
+
+_STATUS_CODES = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: CoreRequestError) -> NoReturn:
+    """End the call with the gRPC status that matches a core refusal."""
+    code = _STATUS_CODES.get(error.code, grpc.StatusCode.INTERNAL)
+    await context.abort(code, error.message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+async def invalid_argument(context: grpc.aio.ServicerContext, message: str) -> NoReturn:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+    raise AssertionError("unreachable")
+
+
+class NodeRuntime:
+    """One node's frontend state. ``core`` is started by :meth:`start`, stopped by
+    :meth:`shutdown`; handlers wrap their work in :meth:`admit`."""
+
+    def __init__(
+        self, role: pb.Role.ValueType, service_name: str, options: NodeOptions, core: CoreClient
+    ) -> None:
+        self.role = role
+        self.service_name = service_name
+        self.options = options
+        self.core = core
+        self.stats = NodeStats()
+        self.health = health.aio.HealthServicer()
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def info(self) -> Ready:
+        assert self.core.info is not None, "the engine core is not started"
+        return self.core.info
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # -- life cycle --------------------------------------------------------------------------
+    async def start(self) -> Ready:
+        """Start the engine core, then report SERVING."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        info = await self.core.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return info
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType):
+        for name in ("", self.service_name):
+            await self.health.set(name, status)
+
+    async def start_draining(self) -> None:
+        """NOT_SERVING from now on; new requests get UNAVAILABLE."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no admitted request is left; False if ``timeout_s`` ran out first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def shutdown(self) -> None:
+        await self.core.shutdown()
+
+    # -- admission ---------------------------------------------------------------------------
+    @asynccontextmanager
+    async def admit(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Count a request in for the duration of the ``async with`` block, or end the call
+        with UNAVAILABLE (starting, draining) / RESOURCE_EXHAUSTED (over ``max_queue``)."""
+        if self.draining or not self.core.alive:
+            reason = "draining" if self.draining else "not ready"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node is {reason}")
+        if self._in_flight - self.info.max_num_seqs >= self.options.max_queue:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"node queue is full ({self._in_flight} requests in flight)",
+            )
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    # -- shared RPCs -------------------------------------------------------------------------
+    async def load_report(self) -> pb.LoadReport:
+        """Engine load plus this node's recent latencies and rates; never raises (an engine
+        that cannot answer reports zeros)."""
+        stats = None
+        if self.core.alive:
+            try:
+                stats = await self.core.get_load()
+            except (RuntimeError, asyncio.TimeoutError) as e:
+                logger.warning("engine core did not report its load: %s", e)
+        max_num_seqs = self.core.info.max_num_seqs if self.core.info is not None else 0
+        report = load_report(self.role, stats, max_num_seqs, self.draining)
+        summary = self.stats.summary()
+        report.ttft_p50_ms, report.ttft_p90_ms = summary.ttft_p50_ms, summary.ttft_p90_ms
+        report.itl_p50_ms, report.itl_p90_ms = summary.itl_p50_ms, summary.itl_p90_ms
+        report.prefill_tokens_per_s = summary.prefill_tokens_per_s
+        report.decode_tokens_per_s = summary.decode_tokens_per_s
+        return report
+
+
+class NodeRpcs:
+    """``Abort`` and ``GetLoad``, the same on every node kind (mix in before the generated
+    servicer base class)."""
+
+    runtime: NodeRuntime
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        if not request.request_id:
+            await invalid_argument(context, "request_id is required")
+        return pb.AbortResponse(found=self.runtime.core.abort(request.request_id))
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadReport:
+        return await self.runtime.load_report()

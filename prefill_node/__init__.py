@@ -1,0 +1,1 @@
+"""``pdserve prefill``: computes prompts' KV into the KV store and samples their first token."""

@@ -1,0 +1,239 @@
+"""The autoscale loop inside the router: observe → decide → actuate, every ``interval_s``.
+
+Each tick observes
+
+- traffic, from the router's own cumulative counters: requests arrived (finished + in flight),
+  requests completed, and their prompt / output tokens (``router.metrics``);
+- each pool: its ready instances (the registry's candidates: healthy, not draining), and each
+  one's full ``LoadReport`` from ``GetLoad`` - queue, KV usage, running requests, TTFT/ITL p90,
+  tokens/s (a heartbeat keeps only the balancing fields);
+
+then asks :class:`router.autoscaler.Autoscaler` what to change and hands that to the actuator.
+On a scale-down the least busy instances the actuator may choose are deregistered first - out
+of routing - and only then stopped; a stopped node drains (finishes what it runs) before it
+exits, so no request is dropped. The loop also exports ``pdserve_autoscaler_*`` metrics on the
+router's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+from pdserve_proto import pdserve_pb2 as pb
+from prometheus_client import Counter, Gauge
+
+from router.actuators import Actuator, ActuatorError
+from router.autoscale_config import AutoscaleSettings, build_actuator
+from router.autoscaler import (
+    Autoscaler,
+    InstanceLoad,
+    Pool,
+    PoolObservation,
+    ScaleDecision,
+    TrafficSnapshot,
+)
+from router.metrics import RouterMetrics
+from router.node_clients import NodeClients
+from router.registry import Instance, Registry, Role
+
+logger = logging.getLogger(__name__)
+
+_LOAD_TIMEOUT_S = 2.0
+Ready = list[tuple[Instance, InstanceLoad | None]]
+
+
+def _sum(metric: Counter | Gauge, suffix: str = "_total") -> float:
+    """A metric's samples named ``*suffix`` summed over all label values."""
+    return sum(
+        sample.value
+        for family in metric.collect()
+        for sample in family.samples
+        if sample.name.endswith(suffix)
+    )
+
+
+def traffic_snapshot(metrics: RouterMetrics, now_s: float) -> TrafficSnapshot:
+    """The router's cumulative request and token counters at ``now_s``."""
+    finished = completed = 0.0
+    for family in metrics.requests.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                finished += sample.value
+                completed += sample.value if sample.labels.get("status") == "ok" else 0.0
+    return TrafficSnapshot(
+        time_s=now_s,
+        arrivals=finished + _sum(metrics.inflight, suffix=""),
+        completed=completed,
+        prompt_tokens=_sum(metrics.prompt_tokens),
+        output_tokens=_sum(metrics.output_tokens),
+    )
+
+
+def instance_load(pool: Pool, report: pb.LoadReport) -> InstanceLoad:
+    rate = report.prefill_tokens_per_s if pool is Pool.PREFILL else report.decode_tokens_per_s
+    return InstanceLoad(
+        num_waiting=report.num_waiting,
+        num_running=report.num_running,
+        queued_prompt_tokens=report.queued_prompt_tokens,
+        kv_usage=min(max(report.kv_usage, 0.0), 1.0),
+        max_num_seqs=report.max_num_seqs,
+        ttft_p90_ms=report.ttft_p90_ms,
+        itl_p90_ms=report.itl_p90_ms,
+        tokens_per_s=rate,
+    )
+
+
+def _busyness(pair: tuple[Instance, InstanceLoad | None]) -> tuple[float, int]:
+    """Sort key, least busy first; an instance that did not report its load goes last."""
+    instance, load = pair
+    queued = math.inf if load is None else load.num_running + load.num_waiting
+    return queued, instance.inflight
+
+
+class AutoscaleLoop:
+    """Runs an :class:`Autoscaler` against a registry and an actuator (one per router)."""
+
+    def __init__(
+        self,
+        autoscaler: Autoscaler,
+        actuator: Actuator,
+        registry: Registry,
+        clients: NodeClients,
+        metrics: RouterMetrics,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.autoscaler = autoscaler
+        self.actuator = actuator
+        self.registry = registry
+        self.clients = clients
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.clock = clock
+        self.history: deque[ScaleDecision] = deque(maxlen=256)
+        self._task: asyncio.Task[None] | None = None
+        r = metrics.registry
+        self._target = Gauge("pdserve_autoscaler_target_instances", "Pool size asked of the "
+                             "actuator", ["pool"], registry=r)  # fmt: skip
+        self._changes = Counter("pdserve_autoscaler_changes", "Pool size changes",
+                                ["pool", "direction"], registry=r)  # fmt: skip
+
+    async def start(self) -> None:
+        """Bring each pool up to its initial size, then run :meth:`step` in the background."""
+        for pool in Pool:
+            try:
+                await self._initial_size(pool)
+            except ActuatorError as exc:  # e.g. the API server is down: the ticks retry
+                logger.error("autoscale %s: cannot set the initial size: %s", pool.value, exc)
+        self._task = asyncio.create_task(self._run(), name="autoscale-loop")
+
+    async def _initial_size(self, pool: Pool) -> None:
+        limits = self.autoscaler.config.limits(pool)
+        current = await self.actuator.current(pool)
+        if current < limits.start:
+            logger.info("autoscale %s: starting %d instance(s)", pool.value, limits.start)
+            await self.actuator.scale(pool, limits.start)
+        self._target.labels(pool.value).set(max(current, limits.start))
+
+    async def stop(self) -> None:
+        """Stop deciding, then close the actuator (the local one stops its nodes)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self.actuator.close()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.step()
+            except Exception:  # one bad tick must not end autoscaling
+                logger.exception("autoscale step failed")
+
+    async def step(self) -> list[ScaleDecision]:
+        """One observe → decide → actuate round; returns the changes it made."""
+        observed = {pool: await self.observe(pool) for pool in Pool}
+        now = self.clock()
+        decisions = self.autoscaler.decide(
+            now,
+            traffic_snapshot(self.metrics, now),
+            {pool: obs for pool, (obs, _) in observed.items()},
+        )
+        applied = []
+        for decision in decisions:
+            if await self._apply(decision, observed[decision.pool][1]):
+                applied.append(decision)
+        return applied
+
+    async def observe(self, pool: Pool) -> tuple[PoolObservation, Ready]:
+        """The pool's observation and its ready instances paired with their loads."""
+        role = Role(pool.value)
+        ready = [i for i in self.registry.candidates(role) if i.role is role]
+        loads = await asyncio.gather(*(self._load(pool, i) for i in ready))
+        target = await self.actuator.current(pool)
+        reported = tuple(load for load in loads if load is not None)
+        return PoolObservation(target, len(ready), reported), list(zip(ready, loads))
+
+    async def _load(self, pool: Pool, instance: Instance) -> InstanceLoad | None:
+        stub = (
+            self.clients.prefill(instance.address)
+            if pool is Pool.PREFILL
+            else self.clients.decode(instance.address)
+        )
+        try:
+            report = await stub.GetLoad(pb.GetLoadRequest(), timeout=_LOAD_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.debug("GetLoad of %s failed: %s", instance.address, exc.code().name)
+            return None
+        return instance_load(pool, report)
+
+    async def _apply(self, decision: ScaleDecision, ready: Ready) -> bool:
+        """Carry out one decision; False (logged) when the actuator failed."""
+        pool, victims = decision.pool, list[str]()
+        if decision.target < decision.current:
+            ranked = [instance.address for instance, _ in sorted(ready, key=_busyness)]
+            count = decision.current - decision.target
+            victims = self.actuator.choose_victims(pool, count, ranked)
+            self._unroute(Role(pool.value), victims)
+        try:
+            await self.actuator.scale(pool, decision.target, victims)
+        except ActuatorError as exc:
+            logger.error("autoscale %s to %d failed: %s", pool.value, decision.target, exc)
+            return False
+        logger.info("autoscale %s %d -> %d: %s", pool.value, decision.current,
+                    decision.target, decision.reason)  # fmt: skip
+        self.history.append(decision)
+        self._target.labels(pool.value).set(decision.target)
+        direction = "up" if decision.target > decision.current else "down"
+        self._changes.labels(pool.value, direction).inc()
+        return True
+
+    def _unroute(self, role: Role, addresses: list[str]) -> None:
+        """Take instances out of routing before they are stopped (in-flight work goes on)."""
+        for instance in self.registry.instances(role):
+            if instance.address in addresses and instance.role is role:
+                self.registry.deregister(instance.instance_id)
+
+
+async def start_autoscaler(
+    settings: AutoscaleSettings,
+    registry: Registry,
+    clients: NodeClients,
+    metrics: RouterMetrics,
+    router_grpc: str,
+    model: str,
+) -> AutoscaleLoop:
+    """Build the actuator and the loop, bring the pools to their initial size, start ticking."""
+    actuator = build_actuator(settings, router_grpc, model)
+    loop = AutoscaleLoop(
+        Autoscaler(settings.policy), actuator, registry, clients, metrics, settings.interval_s
+    )
+    await loop.start()
+    return loop

@@ -1,0 +1,140 @@
+"""``RouterConfig``: every router setting, validated at construction, and its CLI flags.
+
+Flags have ``PDSERVE_<FLAG>`` environment overrides (``PDSERVE_API_KEY``, ``PDSERVE_PORT``…),
+read once when the parser is built; an explicit flag wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from common.config import env_overrides
+from router.balancer import DECODE_POLICIES, PREFILL_POLICIES
+from router.slo import SLOConfig, parse_slo
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router listens, whom it routes to, and what it accepts."""
+
+    model: str = "tiny-llama"
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # default: the model's directory
+    max_model_len: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000  # HTTP; 0 picks a free port
+    grpc_port: int = 50051  # 0 picks a free port
+    prefill: tuple[str, ...] = ()  # static instances (host:port)
+    decode: tuple[str, ...] = ()
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+    poll_interval_s: float = 2.0
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "least_load"
+    block_size: int = 16
+    max_retries: int = 3
+    prefill_timeout_s: float = 300.0
+    decode_stall_timeout_s: float = 300.0
+    max_inflight: int = 1024
+    max_n: int = 8
+    max_logprobs: int = 20
+    max_body_bytes: int = 4 * 2**20
+    max_header_bytes: int = 16 * 2**10
+    api_key: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    node_tls_ca: str | None = None
+    node_tls_cert: str | None = None
+    node_tls_key: str | None = None
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    slo_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill policy must be one of {sorted(PREFILL_POLICIES)}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode policy must be one of {sorted(DECODE_POLICIES)}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError("need 0 < --heartbeat-interval < --heartbeat-timeout")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert/--tls-key")
+        if (self.node_tls_cert or self.node_tls_key) and not self.node_tls_ca:
+            raise ValueError("--node-tls-cert/--node-tls-key need --node-tls-ca")
+        positive = ("max_inflight", "max_n", "max_body_bytes", "max_header_bytes", "block_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_retries < 0 or self.max_logprobs < 0:
+            raise ValueError("max_retries and max_logprobs must be >= 0")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        names = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names}
+        values["prefill"] = _addresses(args.prefill)
+        values["decode"] = _addresses(args.decode)
+        values["slo"] = parse_slo(args.slo or "")
+        return cls(**values)
+
+
+def _addresses(text: str | None) -> tuple[str, ...]:
+    return tuple(a.strip() for a in (text or "").split(",") if a.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The router's flags (defaults from RouterConfig, then PDSERVE_* overrides)."""
+    d = RouterConfig()
+    a = parser.add_argument
+    a("--model", default=d.model, help="built-in name or HF model directory")
+    a("--served-model-name", default=None, help="name in /v1/models (default: --model)")
+    a("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    a("--max-model-len", type=int, default=None, help="context cap (default: the model's)")
+    a("--host", default=d.host, help="bind address for HTTP and gRPC (default 127.0.0.1)")
+    a("--port", type=int, default=d.port, help="HTTP port (0: any free port)")
+    a("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0: any free port)")
+    a("--prefill", default="", help="static prefill instances, ADDR,ADDR")
+    a("--decode", default="", help="static decode instances, ADDR,ADDR")
+    a("--heartbeat-interval", dest="heartbeat_interval_s", type=float, default=2.0)
+    a("--heartbeat-timeout", dest="heartbeat_timeout_s", type=float, default=10.0,
+      help="drop a registered instance silent this long (s)")  # fmt: skip
+    a("--poll-interval", dest="poll_interval_s", type=float, default=2.0,
+      help="how often static instances are polled (s)")  # fmt: skip
+    a("--prefill-policy", choices=sorted(PREFILL_POLICIES), default=d.prefill_policy)
+    a("--decode-policy", choices=sorted(DECODE_POLICIES), default=d.decode_policy)
+    a("--block-size", type=int, default=d.block_size, help="block size of affinity hashes")
+    a("--max-retries", type=int, default=d.max_retries, help="retries per prefill / decode")
+    a("--prefill-timeout", dest="prefill_timeout_s", type=float, default=d.prefill_timeout_s)
+    a("--decode-stall-timeout", dest="decode_stall_timeout_s", type=float,
+      default=d.decode_stall_timeout_s, help="resume elsewhere after this long without output")  # fmt: skip
+    a("--max-inflight", type=int, default=d.max_inflight, help="over it: 429")
+    a("--max-n", type=int, default=d.max_n)
+    a("--max-logprobs", type=int, default=d.max_logprobs)
+    a("--max-body-bytes", type=int, default=d.max_body_bytes)
+    a("--max-header-bytes", type=int, default=d.max_header_bytes)
+    a("--api-key", default=None, help="require Bearer KEY (or set PDSERVE_API_KEY)")
+    a("--tls-cert", default=None, help="gRPC and HTTP server certificate (PEM)")
+    a("--tls-key", default=None, help="its private key (PEM)")
+    a("--tls-client-ca", default=None, help="require gRPC client certs signed by this CA")
+    a("--node-tls-ca", default=None, help="verify nodes with this CA (TLS towards nodes)")
+    a("--node-tls-cert", default=None, help="client certificate towards nodes")
+    a("--node-tls-key", default=None, help="its private key")
+    a("--slo", default="", help="SLOs in ms, e.g. ttft=500,tpot=50,itl=200,e2e=10000")
+    a("--slo-window", dest="slo_window_s", type=float, default=d.slo_window_s)
+    _apply_env_overrides(parser)
+
+
+def _apply_env_overrides(parser: argparse.ArgumentParser) -> None:
+    """``PDSERVE_HEARTBEAT_TIMEOUT=5`` becomes the default of ``--heartbeat-timeout``."""
+    by_flag = {
+        option.lstrip("-").replace("-", "_"): action.dest
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--") and action.dest != "help"
+    }
+    env = env_overrides()
+    parser.set_defaults(**{by_flag[k]: v for k, v in env.items() if k in by_flag})

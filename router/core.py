@@ -1,0 +1,134 @@
+"""What both front doors share: the served model, request preparation, admission, measuring.
+
+``RouterCore.prepare`` turns a prompt (text, token ids or rendered chat) and engine
+SamplingParams into a ``GenerateSpec``: token ids checked against the vocabulary, ``max_tokens``
+resolved against the context, and a seed always set (random when the client gave none) so a
+decode resumed on another instance continues identically. ``RouterCore.run`` admits the request
+(``max_inflight``, else 429), runs the flow and meters it.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+
+from common.sampling_params import SamplingParams
+from router.errors import RouterError, invalid_request, overloaded
+from router.flow import GenerateSpec, RequestFlow, Usage
+from router.metrics import RouterMetrics
+from router.openai_models import Limits
+from router.prompts import PromptProcessor
+from router.sample import SampleDelta
+
+_SEED_BITS = 63
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model the router serves: the public name and the names it also answers to."""
+
+    name: str
+    aliases: frozenset[str] = frozenset()
+    created: int = 0
+
+    def matches(self, requested: str | None) -> bool:
+        return not requested or requested == self.name or requested in self.aliases
+
+
+class RouterCore:
+    """Shared request machinery; one per router process."""
+
+    def __init__(
+        self,
+        served: ServedModel,
+        prompts: PromptProcessor,
+        flow: RequestFlow,
+        metrics: RouterMetrics,
+        limits: Limits,
+        max_inflight: int,
+    ) -> None:
+        self.served = served
+        self.prompts = prompts
+        self.flow = flow
+        self.metrics = metrics
+        self.limits = limits
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        self._seeds = random.SystemRandom()
+
+    def check_model(self, requested: str | None) -> None:
+        """404 unless ``requested`` names the served model (empty means the served one)."""
+        if not self.served.matches(requested):
+            raise RouterError(
+                f"the model {requested!r} does not exist; this router serves {self.served.name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def prepare(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> GenerateSpec:
+        """A runnable spec; raises RouterError (400) when the prompt cannot be served.
+
+        ``params.max_tokens`` None means "up to the context"; ``params`` is not modified.
+        """
+        self.prompts.check_token_ids(prompt_token_ids)
+        self.prompts.check_token_ids(params.stop_token_ids, param="stop_token_ids")
+        max_tokens = self.prompts.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        if params.min_tokens > max_tokens:
+            raise invalid_request(
+                f"min_tokens={params.min_tokens} exceeds max_tokens", "min_tokens"
+            )
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(_SEED_BITS)
+        return GenerateSpec(
+            request_id=request_id or f"cmpl-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt_token_ids,
+            params=replace(params, max_tokens=max_tokens, seed=seed),
+            priority=priority,
+        )
+
+    async def run(
+        self, spec: GenerateSpec, usage: Usage, endpoint: str
+    ) -> AsyncGenerator[SampleDelta, None]:
+        """The request's deltas; raises RouterError (429 when over ``max_inflight``).
+
+        Closing the iterator early aborts the request upstream.
+        """
+        meter = self.metrics.start(endpoint)
+        if self.inflight >= self.max_inflight:
+            error = overloaded(f"the router has {self.inflight} requests in flight (its limit)")
+            error.metered = True
+            meter.finish(error.kind, len(spec.prompt_token_ids), 0)
+            raise error
+        self.inflight += 1
+        status = "aborted"
+        try:
+            async with aclosing(self.flow.generate(spec, usage)) as deltas:
+                async for delta in deltas:
+                    meter.tokens(len(delta.token_ids))
+                    yield delta
+            status = "ok"
+        except RouterError as exc:
+            status, exc.metered = exc.kind, True
+            raise
+        except Exception:
+            status = "internal_error"
+            raise
+        finally:
+            self.inflight -= 1
+            meter.finish(
+                status,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.retries,
+                usage.migrations,
+            )

@@ -1,0 +1,188 @@
+"""``RouterService`` over gRPC: the node registry (Register/Heartbeat/Deregister) and the
+client front door (``Generate``, server-streaming).
+
+``Generate`` takes text (tokenized here, no chat template) or token ids, streams
+``GenerateResponse`` items (new token ids, their text delta, logprobs), the last one with
+``finish_reason``, the stop reason and ``usage``. Errors before the first item abort the call
+with the RouterError's code (INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, RESOURCE_EXHAUSTED,
+UNAUTHENTICATED); a failure after it is a last item with ``FINISH_REASON_ERROR``. Cancelling
+the call aborts the request on every instance involved. n is always 1 over gRPC (the proto
+has no n).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+import grpc
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+
+from common.sampling_params import SamplingParams
+from router.core import RouterCore
+from router.errors import RouterError, invalid_request
+from router.flow import GenerateSpec, Usage
+from router.registry import Load, RegistrationRefused, Registry, Role
+from router.sample import SampleDelta
+from router.security import bearer_ok
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+
+
+class RouterServicer(pb_grpc.RouterServiceServicer):
+    """Implements RouterService on a ``RouterCore`` and a ``Registry``."""
+
+    def __init__(self, core: RouterCore, registry: Registry, api_key: str | None) -> None:
+        self.core = core
+        self.registry = registry
+        self.api_key = api_key
+
+    # -- registry ----------------------------------------------------------------------------
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
+        try:
+            role = Role.from_proto(request.role)
+            load = Load.from_proto(request.load) if request.HasField("load") else None
+            self.registry.register(
+                request.instance_id, role, request.address, request.model,
+                request.fingerprint, load,
+            )  # fmt: skip
+        except (RegistrationRefused, ValueError) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        logger.info("registered %s %s at %s", request.instance_id, role.value, request.address)
+        return pb.RegisterResponse(heartbeat_interval_s=self.registry.heartbeat_interval_s)
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        load = Load.from_proto(request.load) if request.HasField("load") else None
+        return pb.HeartbeatResponse(known=self.registry.heartbeat(request.instance_id, load))
+
+    async def Deregister(
+        self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeregisterResponse:
+        instance = self.registry.deregister(request.instance_id)
+        if instance is not None:
+            logger.info("deregistered %s at %s", instance.instance_id, instance.address)
+        return pb.DeregisterResponse(known=instance is not None)
+
+    # -- front door --------------------------------------------------------------------------
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        metadata = dict(context.invocation_metadata() or ())
+        if not bearer_ok(metadata.get("authorization"), self.api_key):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
+        try:
+            spec, prompt_text = self._prepare(request)
+        except RouterError as exc:
+            self.core.metrics.rejected("grpc", exc.kind)
+            await context.abort(_code(exc), exc.message)
+        usage = Usage()
+        deltas = self.core.run(spec, usage, "grpc")
+        async with aclosing(deltas):
+            first = True
+            try:
+                async for delta in deltas:
+                    item = _response(spec.request_id, delta, usage)
+                    if first and request.echo:
+                        item.prompt_token_ids.extend(spec.prompt_token_ids)
+                        item.prompt_text = prompt_text
+                    first = False
+                    yield item
+            except RouterError as exc:
+                if first:
+                    await context.abort(_code(exc), exc.message)
+                yield pb.GenerateResponse(
+                    request_id=spec.request_id,
+                    finish_reason=pb.FINISH_REASON_ERROR,
+                    error_message=exc.message,
+                    usage=_usage(usage),
+                )
+
+    def _prepare(self, request: pb.GenerateRequest) -> tuple[GenerateSpec, str]:
+        """The spec and the prompt's text; raises RouterError on bad input."""
+        self.core.check_model(request.model)
+        prompts = self.core.prompts
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            prompt_ids, text = prompts.encode_text(request.text), request.text
+        elif kind == "token_ids":
+            prompt_ids = list(request.token_ids.ids)
+            text = prompts.decode(prompt_ids) if request.echo else ""
+        else:
+            raise invalid_request("prompt is missing: set text or token_ids", "prompt")
+        params = to_sampling_params(request)
+        return (
+            self.core.prepare(
+                prompt_ids,
+                params,
+                priority=request.priority if request.HasField("priority") else 0,
+                request_id=request.request_id if request.HasField("request_id") else None,
+            ),
+            text,
+        )
+
+
+def to_sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    """Engine SamplingParams from a GenerateRequest (proto defaults for absent fields)."""
+    p = request.sampling_params
+    try:
+        return SamplingParams(
+            temperature=p.temperature if p.HasField("temperature") else 1.0,
+            top_p=p.top_p if p.HasField("top_p") else 1.0,
+            top_k=p.top_k if p.top_k > 0 else -1,
+            min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            seed=p.seed if p.HasField("seed") else None,
+            max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+            min_tokens=p.min_tokens,
+            stop=list(request.stop),
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
+            skip_special_tokens=(
+                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            ),
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        raise invalid_request(str(exc)) from None
+
+
+def _response(request_id: str, delta: SampleDelta, usage: Usage) -> pb.GenerateResponse:
+    item = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
+    for lp in delta.logprobs:
+        item.logprobs.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_token_ids=lp.top_ids,
+            top_logprobs=lp.top_logprobs,
+        )
+    if delta.finish_reason is not None:
+        item.finish_reason = _FINISH[delta.finish_reason]
+        if isinstance(delta.stop_reason, str):
+            item.stop_string = delta.stop_reason
+        elif isinstance(delta.stop_reason, int):
+            item.stop_token_id = delta.stop_reason
+        item.usage.CopyFrom(_usage(usage))
+    return item
+
+
+def _usage(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_tokens,
+    )
+
+
+def _code(exc: RouterError) -> grpc.StatusCode:
+    return grpc.StatusCode.NOT_FOUND if exc.status == 404 else exc.grpc_code

@@ -1,0 +1,82 @@
+"""Background upkeep of the registry: expire silent instances, poll static ones.
+
+Static instances (``--prefill``/``--decode``) do not heartbeat, so the router asks them:
+``GetLoad`` for their load and the standard ``grpc.health.v1`` Check for their health. A failed
+poll marks the instance unhealthy (balancers skip it) until a later poll succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2
+from pdserve_proto import pdserve_pb2 as pb
+
+from router.node_clients import NodeClients
+from router.registry import Instance, Load, Registry, Role
+
+logger = logging.getLogger(__name__)
+
+
+async def poll_instance(clients: NodeClients, instance: Instance, timeout_s: float) -> Load | None:
+    """The instance's load if it answers GetLoad and reports SERVING; None otherwise."""
+    try:
+        health = await clients.health(instance.address).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            return None
+        if instance.role is Role.DECODE:
+            report = await clients.decode(instance.address).GetLoad(
+                pb.GetLoadRequest(), timeout=timeout_s
+            )
+        else:
+            report = await clients.prefill(instance.address).GetLoad(
+                pb.GetLoadRequest(), timeout=timeout_s
+            )
+    except grpc.aio.AioRpcError as exc:
+        logger.debug("poll of %s failed: %s", instance.address, exc.code().name)
+        return None
+    return Load.from_proto(report)
+
+
+async def poll_static(registry: Registry, clients: NodeClients, timeout_s: float) -> None:
+    """Poll every static instance once, concurrently, and record the results."""
+    static = [i for i in registry.instances() if i.static]
+    loads = await asyncio.gather(*(poll_instance(clients, i, timeout_s) for i in static))
+    for instance, load in zip(static, loads):
+        if (load is None) != (not instance.healthy):
+            logger.info(
+                "static %s %s is %s",
+                instance.role.value,
+                instance.address,
+                "healthy" if load is not None else "unhealthy",
+            )
+        registry.update_static(instance, load)
+
+
+async def expire_silent(registry: Registry, clients: NodeClients) -> None:
+    """Drop instances past their heartbeat timeout; close channels nobody uses any more."""
+    for instance in registry.expire():
+        logger.warning(
+            "dropped %s instance %s at %s: no heartbeat for %.1f s",
+            instance.role.value,
+            instance.instance_id,
+            instance.address,
+            registry.heartbeat_timeout_s,
+        )
+        if instance.inflight == 0 and not registry.uses_address(instance.address):
+            await clients.forget(instance.address)
+
+
+async def run_maintenance(registry: Registry, clients: NodeClients, interval_s: float) -> None:
+    """Forever: expire, then poll, every ``interval_s`` seconds (cancel to stop)."""
+    while True:
+        try:
+            await expire_silent(registry, clients)
+            await poll_static(registry, clients, timeout_s=max(interval_s, 1.0))
+        except Exception:  # keep the loop alive: one bad round must not stop upkeep
+            logger.exception("registry maintenance failed")
+        await asyncio.sleep(interval_s)

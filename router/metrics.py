@@ -1,0 +1,159 @@
+"""Router measurements: Prometheus metrics and the live SLO window, fed by one meter per request.
+
+TTFT, ITL and E2E are measured here, at the router, on ``time.perf_counter``: arrival is when
+the front door accepted the request, a token *arrival* is when a delta carrying tokens leaves
+the flow for the client (one arrival may carry several tokens). Every finished request is
+counted by status; successful and failed ones go to ``LiveSLOStats`` (the ``/slo`` report),
+requests the client abandoned do not (they are neither good nor bad service).
+
+Metrics live in a registry owned by the ``RouterMetrics`` object, never the process-global one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.slo import LiveSLOStats, RequestRecord
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class _InstanceCollector(Collector):
+    """``pdserve_router_instances{pool,state}``, read from the registry at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "pdserve_router_instances", "Instances known to the router", labels=["pool", "state"]
+        )
+        counts = self._counts()
+        for pool in ("prefill", "decode"):
+            family.add_metric([pool, "ready"], counts.get((pool, "ready"), 0))
+        for (pool, state), count in sorted(counts.items()):
+            if state != "ready":
+                family.add_metric([pool, state], count)
+        yield family
+
+
+class RouterMetrics:
+    """Every metric the router exports, plus the live SLO window."""
+
+    def __init__(
+        self, instance_counts: Callable[[], dict[tuple[str, str], int]], slo: LiveSLOStats
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.slo = slo
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_router_requests", "Finished requests", ["endpoint", "status"], registry=r
+        )
+        self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight", registry=r)
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_router_itl_seconds",
+            "Inter-token latency",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_seconds",
+            "End-to-end latency",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens", registry=r)
+        self.output_tokens = Counter("pdserve_router_output_tokens", "Output tokens", registry=r)
+        self.retries = Counter(
+            "pdserve_router_prefill_retries", "Prefills retried on another instance", registry=r
+        )
+        self.migrations = Counter(
+            "pdserve_router_decode_migrations", "Decodes resumed on another instance", registry=r
+        )
+        self.registry.register(_InstanceCollector(instance_counts))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)
+
+    def start(self, endpoint: str) -> RequestMeter:
+        return RequestMeter(self, endpoint)
+
+    def rejected(self, endpoint: str, status: str) -> None:
+        """Count a request refused before it ran (bad input, unknown model)."""
+        self.requests.labels(endpoint, status).inc()
+
+
+class RequestMeter:
+    """Timeline of one request; call ``tokens`` per delta and ``finish`` exactly once."""
+
+    def __init__(self, metrics: RouterMetrics, endpoint: str) -> None:
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self.start_s = time.perf_counter()
+        self.token_times_s: list[float] = []
+        self._finished = False
+        metrics.inflight.inc()
+
+    def tokens(self, count: int) -> None:
+        """A delta with ``count`` tokens is leaving for the client now."""
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        if self.token_times_s:
+            self._metrics.itl.observe(now - self.token_times_s[-1])
+        else:
+            self._metrics.ttft.observe(now - self.start_s)
+        self.token_times_s.append(now)
+
+    def finish(
+        self,
+        status: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        retries: int = 0,
+        migrations: int = 0,
+    ) -> None:
+        """Record the outcome: ``ok``, ``aborted`` (client gone) or an error kind."""
+        if self._finished:
+            return
+        self._finished = True
+        m = self._metrics
+        m.inflight.dec()
+        m.requests.labels(self._endpoint, status).inc()
+        m.retries.inc(retries)
+        m.migrations.inc(migrations)
+        end_s = time.perf_counter()
+        if status == "ok":
+            m.e2e.observe(end_s - self.start_s)
+            m.prompt_tokens.inc(prompt_tokens)
+            m.output_tokens.inc(output_tokens)
+        if status == "aborted" or (status == "ok" and not self.token_times_s):
+            return
+        ok = status == "ok"
+        m.slo.record(
+            RequestRecord(
+                start_s=self.start_s,
+                first_token_s=self.token_times_s[0] if self.token_times_s else None,
+                token_times_s=self.token_times_s,
+                end_s=end_s,
+                prompt_tokens=prompt_tokens,
+                output_tokens=max(output_tokens, 1) if ok else output_tokens,
+                success=ok,
+                error=None if ok else status,
+            )
+        )

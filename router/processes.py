@@ -1,0 +1,206 @@
+"""Child processes of ``pdserve up`` and of the local actuator: start, await ready, stop, sweep.
+
+Every child runs in its own session (``start_new_session``): a terminal's Ctrl-C reaches only
+the parent, which then stops the children in order, and one ``killpg`` ends a child together with
+what it started (a node and its engine-core process). Every child's environment also carries
+``_PDSERVE_CLUSTER=<id>``, which its descendants inherit, so :func:`kill_marked` finds whatever
+is left of a cluster by reading ``/proc/<pid>/environ`` - no process-tree bookkeeping, and
+nothing outside the cluster is ever touched.
+
+A pdserve service prints ``PDSERVE_READY key=value ...`` on stdout once it serves;
+:meth:`ManagedProcess.wait_ready` returns those pairs. Everything else a child writes goes to its
+log file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+READY_PREFIX = "PDSERVE_READY"
+CLUSTER_ENV = "_PDSERVE_CLUSTER"
+_POLL_S = 0.05
+
+
+class StartupError(RuntimeError):
+    """A child exited, or did not report ready in time; the message holds its log's tail."""
+
+
+def parse_ready(line: str) -> dict[str, str] | None:
+    """``"PDSERVE_READY port=50061"`` → ``{"port": "50061"}``; None for any other line."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    pairs = (item.partition("=") for item in line[len(READY_PREFIX) :].split())
+    return {key: value for key, sep, value in pairs if sep}
+
+
+def child_env(
+    marker: str, base: Mapping[str, str] | None = None, scrub_pdserve: bool = False, **extra: str
+) -> dict[str, str]:
+    """The environment of a cluster child: ``base`` (default: ours) plus the cluster marker and
+    ``extra``. ``scrub_pdserve`` drops ``PDSERVE_*`` overrides (all but ``PDSERVE_CACHE_DIR``)
+    for a parent that passes every setting as a flag."""
+    env = dict(os.environ if base is None else base)
+    if scrub_pdserve:
+        env = {
+            k: v for k, v in env.items() if not k.startswith("PDSERVE_") or k == "PDSERVE_CACHE_DIR"
+        }
+    env[CLUSTER_ENV] = marker
+    env.update(extra)
+    return env
+
+
+class ManagedProcess:
+    """One child in its own session. ``argv`` runs with stdin closed, stderr (and stdout other
+    than the ready line) appended to ``log_path``. Construction starts it; nothing blocks."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str],
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.ready_info: dict[str, str] | None = None
+        self._ready = threading.Event()
+        with log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=dict(env),
+                cwd=cwd,
+                start_new_session=True,
+            )
+        threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        with self.log_path.open("ab") as log:
+            for raw in self.proc.stdout:
+                info = parse_ready(raw.decode(errors="replace"))
+                if info is not None and self.ready_info is None:
+                    self.ready_info = info
+                    self._ready.set()
+                else:
+                    log.write(raw)
+                    log.flush()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def wait_ready(self, timeout_s: float) -> dict[str, str]:
+        """The ready line's pairs; raises StartupError if the child exits or ``timeout_s``
+        passes first (the child is left running: stop it)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.is_set():
+            if not self.alive:
+                raise StartupError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise StartupError(f"{self.name} not ready after {timeout_s:.0f} s")
+            await asyncio.sleep(_POLL_S)
+        assert self.ready_info is not None
+        return self.ready_info
+
+    def terminate(self) -> None:
+        """SIGTERM to the child itself (a pdserve service then drains and exits)."""
+        if self.alive:
+            _signal_pid(self.pid, signal.SIGTERM)
+
+    def kill_group(self) -> None:
+        """SIGKILL to the child's whole process group (whatever of it is still there)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        if self.alive:
+            _signal_pid(self.pid, signal.SIGKILL)
+
+    async def wait_exit(self, timeout_s: float) -> int | None:
+        """The exit status, or None if still running after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        return self.proc.poll()
+
+    async def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL the group; returns the exit status
+        of a graceful exit, None when it had to be killed."""
+        self.terminate()
+        code = await self.wait_exit(timeout_s)
+        self.kill_group()
+        if code is None:
+            self.proc.wait()
+        return code
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def connect_host(host: str) -> str:
+    """Where a process on this machine reaches a server bound to ``host`` (URL-ready)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live processes (other than this one) whose environment holds ``_PDSERVE_CLUSTER=marker``.
+
+    Zombies have an empty environ and are not listed (they run nothing)."""
+    needle = f"{CLUSTER_ENV}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_marked(marker: str, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL every process of the cluster ``marker`` until none is left (or ``timeout_s``);
+    returns the pids that had to be killed."""
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while (pids := marked_pids(marker)) and time.monotonic() < deadline:
+        for pid in pids:
+            _signal_pid(pid, signal.SIGKILL)
+        killed += [p for p in pids if p not in killed]
+        time.sleep(_POLL_S)
+    return killed
