@@ -12,9 +12,9 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from typing import Any
 
 from common.config import EngineConfig
 from common.kv_cache_manager import KVCacheManager, cdiv
