@@ -126,6 +126,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._fork_children: dict[str, list[Request]] = {}  # parent id → samples 2..n
         self.num_preemptions = 0
+        self.num_scheduled_tokens = 0  # tokens computed over the engine's life (for tests/stats)
         self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV, keyed by request id
         self._ended_ids: set[str] = set()  # ended since the worker connector last heard
 
@@ -158,6 +159,7 @@ class Scheduler:
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self.num_scheduled_tokens += out.num_batched_tokens
         out.block_copies = self.kv.take_block_copies()
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta(out)
@@ -206,37 +208,35 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None:
                 return
-            hit = self._lookup(request)
-            if self._start_remote_load(request, hit):
+            # A request back from a remote load already holds blocks and computed tokens.
+            resumed = request.request_id in self.kv.req_to_blocks
+            hit = NO_HIT if resumed else self.kv.find_computed_blocks(request)
+            if not resumed and self._start_remote_load(request, hit):
                 continue
-            num_new = request.num_tokens - hit.num_tokens
+            computed = request.num_computed_tokens if resumed else hit.num_tokens
+            num_new = request.num_tokens - computed
             if num_new > budget and not self.config.enable_chunked_prefill:
                 return
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, hit) is None:
                 return  # wait for blocks; admitting later requests first would starve this one
             self.waiting.pop()
-            self.kv.record_lookup(request, hit)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hit.num_tokens
-            request.num_computed_tokens = hit.num_tokens
+            if not resumed:
+                self.kv.record_lookup(request, hit)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = hit.num_tokens
+                request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
-
-    def _lookup(self, request: Request) -> ComputedBlocks:
-        """Local prefix hit of a request that holds no blocks yet (new or preempted)."""
-        if request.request_id in self.kv.req_to_blocks:
-            return NO_HIT  # back from a remote load: its blocks are already allocated
-        return self.kv.find_computed_blocks(request)
 
     def _start_remote_load(self, request: Request, hit: ComputedBlocks) -> bool:
         """Ask the connector for more of the prompt; park the request while it loads.
 
         Returns True when the request left the waiting queue for ``WAITING_FOR_REMOTE_KV``.
         """
-        if self.connector is None or request.request_id in self.kv.req_to_blocks:
+        if self.connector is None:
             return False
         matched = self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
         if matched.num_tokens == 0:

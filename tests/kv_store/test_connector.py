@@ -101,8 +101,10 @@ def test_disaggregated_equals_colocated(store_url, colocated, greedy):
     ps = prompts()
     tokens, first, rest, consumer = disaggregated(store_url, ps, greedy)
     assert tokens == reference(colocated, ps, greedy)
-    # everything but the first token's own KV came from the store
+    # everything but the first token's own KV came from the store, and nothing was recomputed:
+    # each request computed only the 11 tokens it sampled after the first
     assert [rest[str(i)]["loaded"] for i in range(len(ps))] == list(PROMPT_LENS)
+    assert consumer.scheduler.num_scheduled_tokens == 11 * len(ps)
     assert first["2"]["handle"].num_tokens == 100 and len(first["2"]["handle"].block_hashes) == 7
     consumer.close()
 
@@ -174,6 +176,8 @@ def test_corrupt_entry_in_redis(redis_server, colocated):
     tokens, _, rest, consumer = disaggregated(redis_server.url, ps, True, corrupt=corrupt)
     assert tokens == reference(colocated, ps, True)
     assert rest["2"]["loaded"] == 3 * BS  # blocks before the corrupt one were used
+    recomputed = 100 - 3 * BS  # from the corrupt block on, the long prompt is recomputed
+    assert consumer.scheduler.num_scheduled_tokens == 11 * len(ps) + recomputed
     consumer.close()
 
 
