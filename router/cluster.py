@@ -51,6 +51,8 @@ from router.processes import (
 )
 from router.slo import parse_slo
 
+DEMO_SLO = "ttft=500,tpot=50"  # the demo's SLOs when --slo is not given
+
 _ROUTER_STOP_S = 60.0
 
 
@@ -362,7 +364,8 @@ async def _demo(cluster: Cluster) -> int:
     c = cluster.config
     load = DemoLoad(num_requests=c.demo_requests)
     try:
-        report = await run_demo(cluster.http_url, c.model, c.api_key, parse_slo(c.slo), load)
+        slo = parse_slo(c.slo or DEMO_SLO)  # a report without SLOs has no goodput to show
+        report = await run_demo(cluster.http_url, c.model, c.api_key, slo, load)
     except httpx.HTTPError as exc:
         print(f"pdserve up --demo: request failed: {exc}", file=sys.stderr)
         return 1
