@@ -15,6 +15,8 @@ Step by step:
    each layer's attention and ``wait_for_save`` after the pass.
 4. ``get_finished`` reports finished loads; ``get_failed_blocks`` the blocks that could not be
    loaded (missing, evicted, corrupt, unreachable): the scheduler recomputes from the first one.
+   The store connector reports both before any compute uses the blocks, and its next forward
+   pass moves the landed blocks into the paged cache layer by layer (``wait_for_layer_load``).
 5. ``request_finished`` returns the request's KV handle (what a decode node needs to load it).
 """
 

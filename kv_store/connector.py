@@ -12,9 +12,10 @@ store already holds) and ``wait_for_save`` returns when they are durable.
 
 Load (consumer): one batched existence check decides how many prompt tokens to load; a
 background reader fetches the entries into a host buffer while the engine keeps stepping other
-requests; ``get_finished`` scatters what arrived into the paged cache (one batched copy) and
-reports every block that did not (missing, evicted, corrupt, unreachable) as failed, so the
-scheduler recomputes from the first failed block. Output never changes, only speed.
+requests; ``get_finished`` reports every block that did not arrive intact (missing, evicted,
+corrupt, unreachable) as failed, so the scheduler recomputes from the first failed block, and the
+next forward pass scatters the good ones into the paged cache layer by layer, each just before
+its layer's attention. Output never changes, only speed.
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._loading: dict[str, tuple[LoadSpec, Future]] = {}
         self._failed: set[int] = set()
         self._done_saving: set[str] = set()
+        # (request id, block ids, host buffer (n, L, 2, bs, Hkv, D)) fetched and verified,
+        # scattered layer by layer by the next forward pass
+        self._landed: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._staging: torch.Tensor | None = None
         self._save_ids: torch.Tensor | None = None
         self.num_saved_blocks = self.num_loaded_blocks = self.num_failed_blocks = 0
@@ -216,6 +220,7 @@ class StoreConnectorWorker(KVConnectorWorker):
 
     # -- load path -----------------------------------------------------------------------------
     def start_load_kv(self, kv_cache: torch.Tensor) -> None:
+        """Start this step's fetches in the background (the request stays parked meanwhile)."""
         self._kv_cache = kv_cache
         for spec in self._meta.loads:
             self._loading[spec.request_id] = (spec, self._reader.submit(self._fetch, spec))
@@ -232,35 +237,43 @@ class StoreConnectorWorker(KVConnectorWorker):
         return buf, ok
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Loads land between steps (``get_finished``); a step never waits on the store."""
+        """Scatter layer ``layer`` of every landed load into the paged cache, just before that
+        layer's attention: layer 0 computes while later layers are still in host memory (on
+        CUDA the host→device copy of layer l+1 overlaps layer l's compute).
+
+        Landed blocks are fully scattered within the first forward pass after they land, and
+        that pass is the first that can read them (a prefix hit on them included)."""
+        if self._kv_cache is None or not self._landed:
+            return
+        for _, ids, src in self._landed:
+            self._kv_cache[layer, :, ids] = (
+                src[:, layer].to(self.device, non_blocking=True).transpose(0, 1)
+            )
+        if layer == self.spec.num_layers - 1:
+            self._landed = []
 
     def get_finished(self, request_ids: set[str]) -> tuple[set[str], set[str]]:
         """``request_ids``: requests the scheduler ended since the last call (their loads are
         dropped, never scattered into blocks that may already be reused)."""
         for request_id in request_ids:
             self._loading.pop(request_id, None)
+        self._landed = [entry for entry in self._landed if entry[0] not in request_ids]
         done_loading = {rid for rid, (_, fut) in self._loading.items() if fut.done()}
         for request_id in done_loading:
             spec, fut = self._loading.pop(request_id)
-            self._scatter(spec, *fut.result())
+            self._land(spec, *fut.result())
         done_saving, self._done_saving = self._done_saving, set()
         return done_saving, done_loading
 
-    def _scatter(self, spec: LoadSpec, buf: torch.Tensor, ok: list[bool]) -> None:
+    def _land(self, spec: LoadSpec, buf: torch.Tensor, ok: list[bool]) -> None:
+        """A verified fetch: failures are reported now, good blocks wait for the next forward."""
         good = [i for i, hit in enumerate(ok) if hit]
         self._failed.update(b for b, hit in zip(spec.block_ids, ok) if not hit)
         self.num_loaded_blocks += len(good)
         self.num_failed_blocks += len(ok) - len(good)
-        if not good or self._kv_cache is None:
-            return
-        ids = torch.tensor([spec.block_ids[i] for i in good], device=self.device)
-        src = buf[good].to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            import kernels
-
-            kernels.scatter_blocks(self._kv_cache, ids, src)
-        else:
-            self._kv_cache[:, :, ids] = src.permute(1, 2, 0, 3, 4, 5)
+        if good:
+            ids = torch.tensor([spec.block_ids[i] for i in good], device=self.device)
+            self._landed.append((spec.request_id, ids, buf[good]))
 
     def get_failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()

@@ -7,6 +7,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from common.config import EngineConfig
 from common.engine import EngineCore
@@ -258,3 +259,29 @@ def test_offline_llm_knobs(tmp_path):
     consumer.check_integrity()
     producer.engine.close()
     consumer.engine.close()
+
+
+def test_loaded_kv_lands_layer_by_layer(tmp_path, colocated):
+    """Compute starts before the last layer has arrived: when layer 0 attends, the loaded blocks
+    are in the paged cache for layer 0 but not yet for the last layer."""
+    url = f"file://{tmp_path}/kv"
+    ps = prompts((64,), seed=31)
+    consumer = engine(url, "consumer")
+    worker = consumer.runner.connector
+    real_wait = worker.wait_for_layer_load
+    seen = []
+
+    def wait(layer):
+        landed = [ids for _, ids, _ in worker._landed]
+        real_wait(layer)
+        if layer == 0 and landed:
+            cache = consumer.runner.kv_cache
+            ids = torch.cat(landed)
+            seen.append((bool(cache[0, :, ids].abs().sum() > 0), bool(cache[-1, :, ids].any())))
+
+    worker.wait_for_layer_load = wait
+    tokens, _, rest, _ = disaggregated(url, ps, True, consumer=consumer)
+    assert tokens == reference(colocated, ps, True)
+    assert rest["0"]["loaded"] == 64
+    assert seen == [(True, False)]  # layer 0 in place, the last layer still on its way
+    consumer.close()
