@@ -29,9 +29,9 @@ from node_frontend.convert import (
     logprob_to_proto,
     sampling_params_from_proto,
 )
-from node_frontend.options import DECODE_PORT, add_node_arguments, options_from_args
+from node_frontend.options import DECODE_PORT
 from node_frontend.runtime import NodeRpcs, NodeRuntime, abort_with, invalid_argument
-from node_frontend.server import NodeKind, run_node
+from node_frontend.server import NodeKind, add_node_command
 from node_frontend.stats import TokenTimer
 
 
@@ -173,16 +173,10 @@ DECODE_KIND = NodeKind(
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "decode", help="decode node: KV store + first token → streamed tokens (gRPC)"
+    add_node_command(
+        subparsers,
+        "decode",
+        "decode node: KV store + first token → streamed tokens (gRPC)",
+        DECODE_PORT,
+        DECODE_KIND,
     )
-    add_node_arguments(parser, DECODE_PORT)
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        options = options_from_args(args, DECODE_PORT)
-    except ValueError as e:
-        raise SystemExit(f"pdserve decode: {e}") from None
-    return run_node(options, DECODE_KIND)

@@ -13,6 +13,7 @@ Life of a node process (``serve``):
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -29,7 +30,7 @@ from grpc_health.v1 import health_pb2_grpc
 from pdserve_proto import pdserve_pb2 as pb
 
 from common.core_client import CoreClient
-from node_frontend.options import NodeOptions
+from node_frontend.options import NodeOptions, add_node_arguments, options_from_args
 from node_frontend.registration import RouterRegistration
 from node_frontend.runtime import NodeRuntime
 
@@ -164,3 +165,20 @@ async def _drain(
 def run_node(options: NodeOptions, kind: NodeKind) -> int:
     """Blocking entry point of ``pdserve prefill`` / ``pdserve decode``."""
     return uvloop.run(serve(options, kind))
+
+
+def add_node_command(
+    subparsers: argparse._SubParsersAction, name: str, help: str, default_port: int, kind: NodeKind
+) -> None:
+    """Register ``pdserve <name>``: the node flags, then ``run_node`` with ``kind``."""
+    parser = subparsers.add_parser(name, help=help)
+    add_node_arguments(parser, default_port)
+
+    def main(args: argparse.Namespace) -> int:
+        try:
+            options = options_from_args(args, default_port)
+        except ValueError as e:
+            raise SystemExit(f"pdserve {name}: {e}") from None
+        return run_node(options, kind)
+
+    parser.set_defaults(func=main)

@@ -25,9 +25,9 @@ from node_frontend.convert import (
     logprob_to_proto,
     sampling_params_from_proto,
 )
-from node_frontend.options import PREFILL_PORT, add_node_arguments, options_from_args
+from node_frontend.options import PREFILL_PORT
 from node_frontend.runtime import NodeRpcs, NodeRuntime, abort_with, invalid_argument
-from node_frontend.server import NodeKind, run_node
+from node_frontend.server import NodeKind, add_node_command
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -125,16 +125,10 @@ PREFILL_KIND = NodeKind(
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "prefill", help="prefill node: prompt → KV store + first token (gRPC)"
+    add_node_command(
+        subparsers,
+        "prefill",
+        "prefill node: prompt → KV store + first token (gRPC)",
+        PREFILL_PORT,
+        PREFILL_KIND,
     )
-    add_node_arguments(parser, PREFILL_PORT)
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        options = options_from_args(args, PREFILL_PORT)
-    except ValueError as e:
-        raise SystemExit(f"pdserve prefill: {e}") from None
-    return run_node(options, PREFILL_KIND)
