@@ -128,10 +128,10 @@ class _RequestState:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # a single prompt given as token ids
-    return prompts
+    items = list(prompts)
+    if items and isinstance(items[0], int):
+        return [[int(t) for t in items]]  # type: ignore[arg-type]  # one prompt as token ids
+    return items  # type: ignore[return-value]
 
 
 def _as_params_list(

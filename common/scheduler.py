@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from common.config import SchedulerConfig
 from common.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
-from common.kv_connector import KVConnectorScheduler, KVHandle
+from common.kv_connector import ConnectorMetadata, KVConnectorScheduler, KVHandle
 from common.request import Request, RequestStatus, TokenLogprobs
 
 
@@ -44,7 +44,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before forward
     preempted_ids: list[str] = field(default_factory=list)
-    connector_meta: object | None = None
+    connector_meta: ConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

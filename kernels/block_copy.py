@@ -12,6 +12,7 @@ over (block, layer * K/V, tile) instead of ``n * L`` small copies.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -174,9 +175,9 @@ def benchmark() -> None:
         packed = gather_blocks(cache, block_ids)
         # Each copied element is read once and written once.
         nbytes = 2 * packed.numel() * packed.element_size()
-        ms = bench_ms(lambda b=block_ids, p=packed: gather_blocks(cache, b, out=p))
+        ms = bench_ms(functools.partial(gather_blocks, cache, block_ids, out=packed))
         report(f"gather_blocks  n={n:4d} L={num_layers}", ms, device, nbytes=nbytes)
-        ms = bench_ms(lambda b=block_ids, p=packed: scatter_blocks(cache, b, p))
+        ms = bench_ms(functools.partial(scatter_blocks, cache, block_ids, packed))
         report(f"scatter_blocks n={n:4d} L={num_layers}", ms, device, nbytes=nbytes)
 
 

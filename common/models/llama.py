@@ -113,6 +113,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed ``(max_pos, head_dim)`` cos/sin table."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, args: LlamaArgs, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def _copy_into(
     dst.copy_(tensor)
 
 
-def _check_complete(params: dict[str, torch.Tensor], loaded: set[str], args: LlamaArgs) -> None:
+def _check_complete(params: Mapping[str, torch.Tensor], loaded: set[str], args: LlamaArgs) -> None:
     missing = []
     for name in params:
         if args.tie_word_embeddings and name == "lm_head.weight":
