@@ -44,6 +44,9 @@ class NodeOptions:
     host: str = "127.0.0.1"
     advertise_address: str | None = None  # host:port the router should call; default host:port
     router: str | None = None  # router gRPC address to register with
+    router_tls_ca: str | None = None  # CA of a router serving TLS (enables TLS registration)
+    router_tls_cert: str | None = None  # this node's certificate, for a mutual-TLS router
+    router_tls_key: str | None = None
     max_queue: int = 1024  # requests admitted beyond max_num_seqs; over it: RESOURCE_EXHAUSTED
     drain_timeout: float = 30.0  # seconds to finish in-flight work after SIGTERM/SIGINT
     startup_timeout: float = 600.0  # seconds for the engine core to come up
@@ -104,6 +107,9 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--port", int, "port to bind; 0 = ephemeral (default: {port})"),
     ("--advertise-address", str, "host:port the router should call (default host:port)"),
     ("--router", str, "router gRPC address (host:port) to register with"),
+    ("--router-tls-ca", str, "CA file of a router whose gRPC port serves TLS"),
+    ("--router-tls-cert", str, "this node's certificate for a mutual-TLS router"),
+    ("--router-tls-key", str, "this node's private key for a mutual-TLS router"),
     ("--max-queue", int, "requests admitted beyond --max-num-seqs (default 1024)"),
     ("--drain-timeout", float, "seconds to finish in-flight work on SIGTERM (default 30)"),
     ("--startup-timeout", float, "seconds to wait for the engine core (default 600)"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 from pdserve_proto import pdserve_pb2 as pb
@@ -18,6 +19,20 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 LoadFn = Callable[[], Awaitable[pb.LoadReport]]
+
+
+def tls_credentials(
+    ca: str, cert: str | None = None, key: str | None = None
+) -> grpc.ChannelCredentials:
+    """Credentials for a router whose gRPC port serves TLS: its CA, plus this node's
+    certificate and key when the router asks for mutual TLS."""
+    if (cert is None) != (key is None):
+        raise ValueError("--router-tls-cert and --router-tls-key go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes(),
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None,
+    )
 
 
 class RouterRegistration:
@@ -31,6 +46,7 @@ class RouterRegistration:
         *,
         rpc_timeout_s: float = 5.0,
         max_retry_s: float = 5.0,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.router = router
         self.request = request
@@ -39,7 +55,11 @@ class RouterRegistration:
         self.max_retry_s = max_retry_s
         self.interval_s = 5.0  # replaced by the router's heartbeat_interval_s
         self.registered = False
-        self._channel = grpc.aio.insecure_channel(router)
+        self._channel = (
+            grpc.aio.insecure_channel(router)
+            if credentials is None
+            else grpc.aio.secure_channel(router, credentials)
+        )
         self._stub = pb_grpc.RouterServiceStub(self._channel)
         self._task: asyncio.Task[None] | None = None
 

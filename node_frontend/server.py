@@ -31,7 +31,7 @@ from pdserve_proto import pdserve_pb2 as pb
 
 from common.core_client import CoreClient
 from node_frontend.options import NodeOptions, add_node_arguments, options_from_args
-from node_frontend.registration import RouterRegistration
+from node_frontend.registration import RouterRegistration, tls_credentials
 from node_frontend.runtime import NodeRuntime
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,14 @@ def _registration(
         model=options.model,
         fingerprint=runtime.info.kv_fingerprint or "",
     )
-    registration = RouterRegistration(options.router, request, runtime.load_report)
+    credentials = None
+    if options.router_tls_ca is not None:
+        credentials = tls_credentials(
+            options.router_tls_ca, options.router_tls_cert, options.router_tls_key
+        )
+    registration = RouterRegistration(
+        options.router, request, runtime.load_report, credentials=credentials
+    )
     registration.start()
     return registration
 

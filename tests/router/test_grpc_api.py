@@ -261,3 +261,48 @@ def test_cancelled_generate_aborts_upstream() -> None:
         assert h.router.core.inflight == 0
 
     run(test)
+
+
+def test_node_registers_with_a_mutual_tls_router(tmp_path: Path) -> None:
+    """A node's registration channel speaks TLS (with its own certificate) to a router whose
+    gRPC port requires it; without credentials it cannot register."""
+    from node_frontend.registration import RouterRegistration, tls_credentials
+
+    pki = _write_pki(tmp_path)
+
+    async def load() -> pb.LoadReport:
+        return pb.LoadReport(num_running=1)
+
+    def registration(instance_id: str, credentials: Any) -> RouterRegistration:
+        request = pb.RegisterRequest(
+            instance_id=instance_id, role=pb.ROLE_DECODE, address="127.0.0.1:1",
+            model="tiny-llama", fingerprint="fp",
+        )  # fmt: skip
+        return RouterRegistration(
+            f"localhost:{h_port[0]}", request, load, credentials=credentials, max_retry_s=0.2
+        )
+
+    h_port: list[int] = []
+
+    async def test(h: Harness) -> None:
+        h_port.append(h.grpc_port)
+        creds = tls_credentials(str(pki["ca"]), str(pki["client"]), str(pki["client-key"]))
+        good, bad = registration("tls-node", creds), registration("plain-node", None)
+        good.start()
+        bad.start()
+        for _ in range(200):
+            if good.registered:
+                break
+            await asyncio.sleep(0.05)
+        assert good.registered and h.router.registry.get("tls-node") is not None
+        assert not bad.registered and h.router.registry.get("plain-node") is None
+        await good.stop()
+        await bad.stop()
+        assert h.router.registry.get("tls-node") is None  # deregistered over TLS too
+
+    run(
+        test,
+        tls_cert=str(pki["server"]),
+        tls_key=str(pki["server-key"]),
+        tls_client_ca=str(pki["ca"]),
+    )
