@@ -149,6 +149,26 @@ def tile_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def paged_slots(
+    block_tables_ptr,
+    stride_bt_s,
+    seq,
+    pos,
+    mask,
+    stride_cache_block,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Element offsets (within one K or V plane) of context positions ``pos`` of ``seq``,
+    following its block table per token, so a tile's size is independent of the block size."""
+    block = tl.load(
+        block_tables_ptr + seq * stride_bt_s + pos // BLOCK_SIZE, mask=mask, other=0
+    ).to(tl.int64)
+    return block * stride_cache_block + (pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+
+
 def next_power_of_two(value: int) -> int:
     return triton.next_power_of_2(max(int(value), 1))
 

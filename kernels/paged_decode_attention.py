@@ -34,6 +34,7 @@ from kernels._common import (
     cuda_or_explain,
     interpreted,
     next_power_of_two,
+    paged_slots,
     report,
     tile_dot,
 )
@@ -96,11 +97,10 @@ def _paged_decode_attention_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
-        # Follow the block table per token, so the tile size is independent of the block size.
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt_s + pos // BLOCK_SIZE, mask=valid, other=0
-        ).to(tl.int64)
-        slot = block * stride_cache_block + (pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+        slot = paged_slots(
+            block_tables_ptr, stride_bt_s, seq, pos, valid, stride_cache_block,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+        )  # fmt: skip
         k = tl.load(k_base + slot[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
         s = tile_dot(q, k, DOT_PRECISION, UPCAST) * qk_scale  # (GROUP_ROWS, BLOCK_N)
         s = tl.where(valid[None, :], s, float("-inf"))

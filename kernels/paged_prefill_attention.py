@@ -35,6 +35,7 @@ from kernels._common import (
     cuda_or_explain,
     interpreted,
     next_power_of_two,
+    paged_slots,
     report,
     tile_dot,
 )
@@ -99,10 +100,10 @@ def _paged_prefill_attention_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         key_mask = pos < kv_end
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt_s + pos // BLOCK_SIZE, mask=key_mask, other=0
-        ).to(tl.int64)
-        slot = block * stride_cache_block + (pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+        slot = paged_slots(
+            block_tables_ptr, stride_bt_s, seq, pos, key_mask, stride_cache_block,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+        )  # fmt: skip
         k = tl.load(k_base + slot[None, :] + dims[:, None], mask=key_mask[None, :], other=0.0)
         s = tile_dot(q, k, DOT_PRECISION, UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N)
         # Key 0 is visible to every row, so no row is all -inf after the first tile.
