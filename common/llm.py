@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +30,6 @@ class LLM:
             str(self.engine.model_dir)
         )
         self._ids = itertools.count()
-        self.last_stats: dict[str, float] = {}
 
     def generate(
         self,
@@ -49,11 +47,7 @@ class LLM:
         except Exception:
             self.engine.abort([s.output.request_id for s in states])  # all or nothing
             raise
-        by_id = {s.output.request_id: s for s in states}
-        start = time.perf_counter()
-        num_out = self._run(by_id, use_tqdm)
-        elapsed = time.perf_counter() - start
-        self.last_stats = {"elapsed_s": elapsed, "output_tokens": num_out}
+        self._run({s.output.request_id: s for s in states}, use_tqdm)
         return [s.output for s in states]
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> _RequestState:
@@ -65,7 +59,7 @@ class LLM:
         self.engine.add_request(request_id, token_ids, params)
         return _RequestState(request_id, text, token_ids, params, self.tokenizer)
 
-    def _run(self, by_id: dict[str, _RequestState], use_tqdm: bool) -> int:
+    def _run(self, by_id: dict[str, _RequestState], use_tqdm: bool) -> None:
         unfinished = len(by_id)
         num_out = 0
         with tqdm(total=unfinished, desc="generating", disable=not use_tqdm) as bar:
@@ -81,7 +75,6 @@ class LLM:
                             tok_s=f"{num_out / max(bar.format_dict['elapsed'], 1e-9):.0f}"
                         )
                 self.engine.finish_stopped(stopped)
-        return num_out
 
     def check_integrity(self) -> None:
         """All blocks consistent; with nothing running, every block is free again."""

@@ -241,6 +241,9 @@ class Scheduler:
         matched = self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
         if matched.num_tokens == 0:
             return False
+        # Only asynchronous loads exist here: a loading request always waits in its own state,
+        # and its blocks land layer by layer in the forward pass after the fetch.
+        assert matched.load_async, "synchronous KV loads are not supported by this scheduler"
         if self.kv.allocate_slots(request, 0, hit, matched.num_tokens) is None:
             return False  # no room to land it: compute the prompt like any other
         self.waiting.pop()

@@ -129,11 +129,6 @@ def check_runnable(kernel: object, device: torch.device) -> None:
     )
 
 
-def interpreter_upcast(device: torch.device) -> bool:
-    """Value of :func:`tile_dot`'s ``UPCAST``: true exactly when the interpreter runs the kernel."""
-    return device.type != "cuda"
-
-
 @triton.jit
 def tile_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``tl.dot(a, b)`` accumulated in fp32.

@@ -150,15 +150,14 @@ class StoreConnectorScheduler(KVConnectorScheduler):
     def _save_spec(self, request: Request, num_new: int, block_ids: list[int]) -> SaveSpec | None:
         """Prompt entries whose tokens are all computed once this step's forward pass is done."""
         done = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-        entries = prompt_entries(request, self.fingerprint)
         start = self._saved.get(request.request_id, 0)
         ready = done // self.block_size
         if done == request.num_prompt_tokens:
-            ready = len(entries)  # the final partial block is complete too
+            ready = -(-done // self.block_size)  # the final partial block is complete too
         if ready <= start:
-            return None
+            return None  # every step of a decoding request ends here, before any hashing
         self._saved[request.request_id] = ready
-        chosen = entries[start:ready]
+        chosen = prompt_entries(request, self.fingerprint)[start:ready]
         return SaveSpec(
             request.request_id,
             [k for k, _ in chosen],
