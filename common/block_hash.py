@@ -55,3 +55,25 @@ def hash_blocks(
         prev = hash_block(prev, token_ids[begin : begin + block_size])
         out.append(prev)
     return out
+
+
+def prompt_block_hashes(
+    prompt_token_ids: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    full_hashes: Sequence[BlockHash] | None = None,
+) -> list[BlockHash]:
+    """Hashes naming a prompt's KV: every full block, then a final partial block (if any).
+
+    ``full_hashes``: the full blocks' hashes when the caller already has them (a request's
+    ``block_hashes``); otherwise they are computed here.
+    """
+    num_full = len(prompt_token_ids) // block_size
+    if full_hashes is None:
+        full_hashes = hash_blocks(prompt_token_ids[: num_full * block_size], block_size, salt)
+    hashes = list(full_hashes[:num_full])
+    tail = prompt_token_ids[num_full * block_size :]
+    if len(tail):
+        parent = hashes[-1] if hashes else root_hash(salt)
+        hashes.append(hash_partial_block(parent, tail))
+    return hashes

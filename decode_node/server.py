@@ -17,12 +17,11 @@ import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
+from common.block_hash import prompt_block_hashes
 from common.core_client import CoreOutput, CoreRequestError
 from common.core_messages import Ready
 from common.kv_connector import KVHandle
-from common.request import Request
 from common.sampling_params import SamplingParams
-from kv_store.connector import prompt_hashes
 from node_frontend.convert import (
     finish_reason_to_proto,
     kv_handle_from_proto,
@@ -37,20 +36,11 @@ from node_frontend.stats import TokenTimer
 
 def check_kv_handle(handle: KVHandle, prompt: list[int], info: Ready) -> None:
     """Raise ValueError unless ``handle`` names this prompt's KV in this node's layout."""
-    request = Request(
-        "kv-handle-check",
-        prompt,
-        SamplingParams(),
-        eos_token_id=None,
-        block_size=info.block_size,
-        seed=0,
-        max_tokens=1,
-    )
     if (
         handle.fingerprint != info.kv_fingerprint
         or handle.block_size != info.block_size
         or handle.num_tokens != len(prompt)
-        or handle.block_hashes != prompt_hashes(request)
+        or handle.block_hashes != prompt_block_hashes(prompt, info.block_size)
     ):
         raise ValueError("KV handle is for another model/prompt")
 

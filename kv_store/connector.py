@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from common.block_hash import hash_partial_block, root_hash
+from common.block_hash import prompt_block_hashes
 from common.kv_connector import (
     ConnectorMetadata,
     KVConnectorScheduler,
@@ -61,15 +61,10 @@ def kv_fingerprint(model_dir: Path, spec: KVCacheSpec) -> str:
 
 
 def prompt_hashes(request: Request) -> list[bytes]:
-    """Hashes of the prompt's blocks: every full block, then a final partial one (if any)."""
-    prompt, block_size = request.prompt_token_ids, request.block_size
-    num_full = len(prompt) // block_size
-    hashes = list(request.block_hashes[:num_full])
-    tail = prompt[num_full * block_size :]
-    if tail:
-        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
-        hashes.append(hash_partial_block(parent, tail))
-    return hashes
+    """Hashes of the request's prompt blocks (reusing the hashes it already carries)."""
+    return prompt_block_hashes(
+        request.prompt_token_ids, request.block_size, request.cache_salt, request.block_hashes
+    )
 
 
 def prompt_entries(request: Request, fingerprint: str) -> list[tuple[str, int]]:

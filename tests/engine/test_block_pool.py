@@ -159,3 +159,14 @@ def test_check_integrity_catches_leaks():
     kv.pool.blocks[0].ref_cnt += 1
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def test_prompt_block_hashes_match_the_requests():
+    from common.block_hash import prompt_block_hashes
+    from kv_store.connector import prompt_hashes
+
+    for n in (3, 8, 13):
+        tokens = list(range(100, 100 + n))
+        r = make_request("p", tokens)
+        assert prompt_block_hashes(tokens, BS) == prompt_hashes(r)
+        assert len(prompt_block_hashes(tokens, BS)) == -(-n // BS)
