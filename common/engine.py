@@ -6,7 +6,6 @@ It works in token ids only; text belongs to the caller (``LLM``'s output process
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -22,7 +21,7 @@ from common.model_runner import ModelRunner
 from common.models.loader import read_hf_config
 from common.models.tiny import resolve_model_path
 from common.request import Request, RequestStatus
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, child_seed
 from common.scheduler import EngineCoreOutput, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -30,12 +29,6 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(RuntimeError):
     """The waiting queue is over its bound (``SchedulerConfig.max_waiting``)."""
-
-
-def child_seed(seed: int, index: int) -> int:
-    """Seed of sample ``index`` (>= 1) of an ``n > 1`` request: distinct, reproducible."""
-    digest = hashlib.sha256(f"pdserve-sample:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 class EngineCore:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 
@@ -79,3 +80,9 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` (>= 1) of an ``n > 1`` request: distinct, reproducible."""
+    digest = hashlib.sha256(f"pdserve-sample:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 
 from pdserve_proto import pdserve_pb2 as pb
 
-from common.engine import child_seed
 from common.output_processor import TextStream
 from common.request import TokenLogprobs
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, child_seed
 from node_frontend.convert import sampling_params_to_proto
 
 _FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}

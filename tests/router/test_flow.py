@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from common.engine import child_seed
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, child_seed
 from router.errors import RouterError
 from router.flow import Usage
 from router.registry import Role
