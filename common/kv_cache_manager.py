@@ -32,6 +32,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as plain ids, kept in step so a step never rebuilds them per block.
+        self.req_to_ids: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}  # request id → leading blocks registered in cache
         self.stats = PrefixCacheStats()
         self._copies: list[tuple[int, int]] = []  # (src, dst) block copies owed by copy-on-write
@@ -45,7 +47,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block table (live: read it, do not keep it across allocations)."""
+        return self.req_to_ids.get(request_id, [])
 
     def find_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of ``request`` in full blocks. Does not modify the cache.
@@ -92,13 +95,17 @@ class KVCacheManager:
             if not held:
                 del self.req_to_blocks[request.request_id]
             return None
+        ids = self.req_to_ids.setdefault(request.request_id, [])
         self.pool.touch(computed.blocks)
         held.extend(computed.blocks)
+        ids.extend(b.block_id for b in computed.blocks)
         if cow_index is not None:
-            self._copy_on_write(held, cow_index)
+            self._copy_on_write(held, ids, cow_index)
         new_blocks = self.pool.get_new_blocks(num_needed)
         held.extend(new_blocks)
-        return [b.block_id for b in new_blocks]
+        new_ids = [b.block_id for b in new_blocks]
+        ids.extend(new_ids)
+        return new_ids
 
     def _cow_index(self, request: Request, held: list[KVCacheBlock]) -> int | None:
         """Index of a shared, partially filled block the next token would write into."""
@@ -108,11 +115,12 @@ class KVCacheManager:
             return index
         return None
 
-    def _copy_on_write(self, held: list[KVCacheBlock], index: int) -> None:
+    def _copy_on_write(self, held: list[KVCacheBlock], ids: list[int], index: int) -> None:
         shared = held[index]
         (private,) = self.pool.get_new_blocks(1)
         self._copies.append((shared.block_id, private.block_id))
         held[index] = private
+        ids[index] = private.block_id
         self.pool.free_blocks([shared])
 
     def take_block_copies(self) -> list[tuple[int, int]]:
@@ -136,11 +144,13 @@ class KVCacheManager:
         blocks = list(self.req_to_blocks[parent_id])
         self.pool.touch(blocks)
         self.req_to_blocks[child_id] = blocks
+        self.req_to_ids[child_id] = list(self.req_to_ids[parent_id])
         self.num_cached[child_id] = self.num_cached.get(parent_id, 0)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first (so prefixes are evicted last)."""
         blocks = self.req_to_blocks.pop(request_id, [])
+        self.req_to_ids.pop(request_id, None)
         self.num_cached.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
@@ -150,8 +160,10 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Every block's ref count equals the number of block tables holding it."""
         refs: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
+        for request_id, blocks in self.req_to_blocks.items():
+            assert self.req_to_ids[request_id] == [b.block_id for b in blocks], request_id
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        assert set(self.req_to_ids) == set(self.req_to_blocks)
         self.pool.check_integrity(refs)
         assert not self._copies, "block copies scheduled but never taken"
