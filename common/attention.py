@@ -7,6 +7,8 @@ into their slots, then attends over everything in the cache, so prefix hits and 
 chunks need no special case.
 
 - ``TorchAttentionBackend``: plain PyTorch, runs anywhere; it is the reference.
+- ``CpuAttentionBackend``: the torch path with decode rows handed to the native C kernel of
+  ``kernels/cpu_attention.py``, which reads the blocks in place (the default on CPU).
 - ``TritonAttentionBackend``: the kernels of ``kernels/`` (CUDA, or CPU under TRITON_INTERPRET=1).
 """
 
@@ -147,16 +149,18 @@ class TorchAttentionBackend:
         if q_len != seq_len:  # queries sit at the end of the context
             pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = pos_q[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        # NOTE: 4-D inputs on purpose: on CPU, 3-D ones take SDPA's unfused math path (the
+        # whole score matrix materialised), 4-5x slower than the flash kernel at 512 tokens.
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # (H, q_len, D)
-            k.transpose(0, 1),  # (Hkv, seq_len, D)
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],  # (1, H, q_len, D)
+            k.transpose(0, 1)[None],  # (1, Hkv, seq_len, D)
+            v.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     def _decode(self, q, kv_layer, meta, rows: list[int], scale: float) -> torch.Tensor:
         lens = [meta.seq_lens_cpu[i] for i in rows]
@@ -178,6 +182,45 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return o.squeeze(2)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """CPU: decode rows by the native kernel (blocks read in place, one call per layer for the
+    whole batch), prefill chunks by the torch path's SDPA (compute-bound, where SDPA's blocked
+    GEMMs beat a hand loop). Dtypes the kernel lacks (float16) take the torch path."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kernels import cpu_attention
+
+        if cpu_attention.load_library() is None:
+            raise RuntimeError(f"native CPU attention unavailable: {cpu_attention.load_error()}")
+        self._kernel = cpu_attention.paged_decode_attention
+        self._dtypes = cpu_attention.supported_dtypes()
+
+    def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
+        if query.dtype not in self._dtypes:
+            return super().attend(query, kv_layer, meta, scale)
+        out = torch.empty_like(query)
+        self._kernel(
+            query,
+            kv_layer,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_seq_len,
+            scale,
+            out,
+        )
+        if meta.max_query_len > 1:
+            starts = meta.query_start_loc.tolist()
+            for i, n in enumerate(meta.query_lens):
+                if n > 1:
+                    lo = starts[i]
+                    out[lo : lo + n] = self._prefill(query[lo : lo + n], kv_layer, meta, i, scale)
+        return out
 
 
 class TritonAttentionBackend:
@@ -210,9 +253,18 @@ class TritonAttentionBackend:
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: Triton on CUDA, PyTorch elsewhere; ``torch``/``triton`` force one."""
+    """``auto``: Triton on CUDA; on CPU the native kernel, or PyTorch when it cannot be built.
+    ``cpu``/``torch``/``triton`` force one."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return TritonAttentionBackend()
+        from kernels import cpu_attention
+
+        name = "cpu" if cpu_attention.load_library() is not None else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' needs a CPU device, got {device}")
+        return CpuAttentionBackend()
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":

@@ -84,7 +84,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # auto: cuda when available, else cpu
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # auto: triton on CUDA; on CPU the native kernel ("cpu") when it builds, else "torch"
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     kv_store: str | None = None  # redis://… or file:///…
     kv_role: Literal["producer", "consumer", "both"] | None = None
     # CPU only: torch intra-op threads of this process (None: torch's default, all cores).
@@ -94,7 +95,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
         if self.kv_role is not None and self.kv_role not in ("producer", "consumer", "both"):
             raise ValueError(f"kv_role must be producer, consumer or both, got {self.kv_role!r}")

@@ -18,6 +18,7 @@ import torch
 
 from common.attention import AttentionMetadata, LayerHooks, get_attention_backend
 from common.config import CacheConfig
+from common.host_memory import keep_freed_host_memory, zeros_on_huge_pages
 from common.kv_connector import ConnectorHooks, ConnectorMetadata, KVConnectorWorker
 from common.models.llama import LlamaForCausalLM
 from common.models.loader import build_model, resolve_dtype
@@ -69,6 +70,8 @@ class ModelRunner:
         seed: int = 0,
     ) -> None:
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # process-wide; see common/host_memory.py
         self.dtype = resolve_dtype(dtype, hf_config)
         self.backend = get_attention_backend(attention_backend, self.device)
         self.model: LlamaForCausalLM = build_model(
@@ -89,11 +92,11 @@ class ModelRunner:
         )
         self.num_blocks = self._num_blocks(cache_config)
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): see ARCHITECTURE.md
-        self.kv_cache = torch.zeros(
-            (a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = (a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler()
         self.connector: KVConnectorWorker | None = None
         self.hooks: LayerHooks | None = None

@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache, each beside a plain-PyTorch ``ref_*`` twin.
+"""Triton kernels for the paged KV cache, each beside a plain-PyTorch ``ref_*`` twin; the native
+CPU decode attention lives in ``kernels.cpu_attention`` (C, built on first use).
 
 Cache layout (see docs/ARCHITECTURE.md): ``kv_cache (L, 2, N, bs, Hkv, D)``; the attention
 kernels and ``reshape_and_cache`` take one layer's view ``kv_cache[l]`` ``(2, N, bs, Hkv, D)``.

@@ -1,0 +1,211 @@
+/*
+ * Decode attention over the paged KV cache on the CPU, reading every block in place.
+ *
+ * Built on first use by kernels/cpu_attention.py (gcc or cc, -O3 for the host CPU, OpenMP) and
+ * called through ctypes with raw pointers; that module checks every shape, dtype and stride
+ * before a call, so nothing here re-validates.
+ *
+ * Why a native kernel: a CPU decode step is bound by memory traffic. The PyTorch path copies
+ * each sequence's blocks into a contiguous workspace and then runs SDPA over it, so every K/V
+ * byte is read twice and written once. Here a task reads each K and V row once, straight out
+ * of its block, for all the query heads that share the kv head (GQA).
+ *
+ * One task = one (sequence, kv head); tasks are spread over the threads dynamically because
+ * context lengths differ. A task:
+ *
+ *     q_g * scale            for the G = H / Hkv query heads of the group   (G x D, fp32)
+ *     s[g][t] = q_g . k_t    t = 0 .. seq_len-1, k_t read in place          (pass over K)
+ *     p[g][t] = exp(s - max) and the row sums                               (in the buffer)
+ *     acc[g] += p[g][t] v_t                                                 (pass over V)
+ *     out = acc / sum
+ *
+ * The cache of one layer is (2, num_blocks, block_size, Hkv, D), contiguous: token slot
+ * `b * block_size + i` of kv head h starts at element ((b * block_size + i) * Hkv + h) * D of
+ * the K (or V) half. Sequences whose query length is not 1 (prefill chunks) are skipped; the
+ * caller computes those rows itself.
+ *
+ * Compile the math with -ffast-math (vectorised expf, reassociated dot products) but link the
+ * shared object without it: GCC < 13 would otherwise link crtfastmath.o, which turns on
+ * flush-to-zero for the whole process on load.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Row `elem` of `base` as fp32: a pointer into the cache itself for fp32, else converted into
+ * `buf`. */
+INLINE const float *row_f32(const void *base, int64_t elem, int n, int dtype, float *buf) {
+    if (dtype == DTYPE_F32) return (const float *)base + elem;
+    const uint16_t *src = (const uint16_t *)base + elem;
+    for (int i = 0; i < n; i++) buf[i] = bf16_to_f32(src[i]);
+    return buf;
+}
+
+INLINE void store_row(void *base, int64_t elem, const float *src, float mul, int n, int dtype) {
+    if (dtype == DTYPE_F32) {
+        float *dst = (float *)base + elem;
+        for (int i = 0; i < n; i++) dst[i] = src[i] * mul;
+    } else {
+        uint16_t *dst = (uint16_t *)base + elem;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i] * mul);
+    }
+}
+
+/* Ask for the rows of one head in one block ahead of use: blocks lie anywhere in the cache, so
+ * the hardware prefetcher cannot run ahead across them on its own. */
+INLINE void prefetch_block(const void *cache, int64_t first, int64_t stride, int n, int row_bytes,
+                           size_t elem) {
+    const char *base = (const char *)cache + first * (int64_t)elem;
+    for (int i = 0; i < n; i++)
+        for (int off = 0; off < row_bytes; off += 64)
+            __builtin_prefetch(base + (int64_t)i * stride * (int64_t)elem + off, 0, 0);
+}
+
+/* One (sequence, kv head) task. `work` holds (2 * group + 1) * head_dim + group * len floats.
+ * Always inlined into the dispatcher below, so the common head sizes and each dtype get their
+ * own copy with constant trip counts (unrolled loops, accumulators in registers). */
+INLINE void decode_task(void *out, const void *query, const void *k_cache, const void *v_cache,
+                        const int32_t *table, int64_t q_elem, int len, int h, int group,
+                        int num_kv_heads, const int head_dim, int block_size, float scale,
+                        const int dtype, float *work) {
+    float *q = work;                    /* group x head_dim, pre-scaled */
+    float *acc = q + group * head_dim;  /* group x head_dim */
+    float *buf = acc + group * head_dim; /* head_dim: a converted bf16 row */
+    float *probs = buf + head_dim;      /* group x len */
+    const int64_t stride = (int64_t)num_kv_heads * head_dim; /* between token slots */
+    const int64_t head = (int64_t)h * head_dim;
+    const int num_blocks = (len + block_size - 1) / block_size;
+
+    const float *qsrc = row_f32(query, q_elem, group * head_dim, dtype, acc);
+    for (int i = 0; i < group * head_dim; i++) q[i] = qsrc[i] * scale;
+
+    const size_t elem = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    const int row_bytes = head_dim * (int)elem;
+#define PREFETCH(cache, b)                                                                     \
+    do {                                                                                       \
+        if ((b) < num_blocks)                                                                  \
+            prefetch_block(cache, (int64_t)table[b] * block_size * stride + head, stride,      \
+                           block_size, row_bytes, elem);                                       \
+    } while (0)
+
+    /* pass over K: scores, block by block, fetching two blocks ahead (then V's first two) */
+    PREFETCH(k_cache, 0);
+    PREFETCH(k_cache, 1);
+    if (num_blocks == 1) PREFETCH(v_cache, 0);
+    for (int b = 0, t = 0; b < num_blocks; b++) {
+        const int64_t first = (int64_t)table[b] * block_size * stride + head;
+        const int n = len - t < block_size ? len - t : block_size;
+        PREFETCH(k_cache, b + 2);
+        if (b + 2 >= num_blocks) PREFETCH(v_cache, b + 2 - num_blocks);
+        for (int i = 0; i < n; i++, t++) {
+            const float *k = row_f32(k_cache, first + i * stride, head_dim, dtype, buf);
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                float dot = 0.0f;
+                for (int d = 0; d < head_dim; d++) dot += qg[d] * k[d];
+                probs[(int64_t)g * len + t] = dot;
+            }
+        }
+    }
+    /* softmax numerators in place */
+    float inv_sum[group];
+    for (int g = 0; g < group; g++) {
+        float *p = probs + (int64_t)g * len;
+        float m = p[0];
+        for (int t = 1; t < len; t++) m = p[t] > m ? p[t] : m;
+        float sum = 0.0f;
+        for (int t = 0; t < len; t++) {
+            p[t] = expf(p[t] - m);
+            sum += p[t];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    /* pass over V */
+    memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+    for (int b = 0, t = 0; b < num_blocks; b++) {
+        const int64_t first = (int64_t)table[b] * block_size * stride + head;
+        const int n = len - t < block_size ? len - t : block_size;
+        PREFETCH(v_cache, b + 2);
+        for (int i = 0; i < n; i++, t++) {
+            const float *v = row_f32(v_cache, first + i * stride, head_dim, dtype, buf);
+            for (int g = 0; g < group; g++) {
+                const float p = probs[(int64_t)g * len + t];
+                float *ag = acc + g * head_dim;
+                for (int d = 0; d < head_dim; d++) ag[d] += p * v[d];
+            }
+        }
+    }
+#undef PREFETCH
+    for (int g = 0; g < group; g++)
+        store_row(out, q_elem + (int64_t)g * head_dim, acc + g * head_dim, inv_sum[g], head_dim,
+                  dtype);
+}
+
+#define TASK(HEAD_DIM, DTYPE)                                                                  \
+    decode_task(out, query, k_cache, v_cache, table, q_elem, seq_lens[s], h, group,           \
+                num_kv_heads, HEAD_DIM, block_size, scale, DTYPE, work)
+#define TASK_FOR_DTYPE(HEAD_DIM)                                                               \
+    do {                                                                                       \
+        if (dtype == DTYPE_F32) TASK(HEAD_DIM, DTYPE_F32);                                     \
+        else TASK(HEAD_DIM, DTYPE_BF16);                                                       \
+    } while (0)
+
+/* Returns 0, or 1 when a thread could not allocate its work buffer (rows then undefined). */
+int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
+                         const int32_t *block_tables, const int32_t *seq_lens,
+                         const int32_t *query_start_loc, int num_seqs, int num_heads,
+                         int num_kv_heads, int head_dim, int block_size, int num_blocks,
+                         int table_stride, int max_seq_len, float scale, int dtype,
+                         int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t half = (int64_t)num_blocks * block_size * num_kv_heads * head_dim;
+    const size_t elem = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    const void *k_cache = kv_layer;
+    const void *v_cache = (const char *)kv_layer + half * (int64_t)elem;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(|| : failed)
+    {
+        const size_t floats = (size_t)(2 * group + 1) * head_dim + (size_t)group * max_seq_len;
+        float *work = malloc(sizeof(float) * floats);
+        failed = work == NULL;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int s = 0; s < num_seqs; s++) {
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int32_t qpos = query_start_loc[s];
+                if (work == NULL || query_start_loc[s + 1] - qpos != 1 || seq_lens[s] <= 0)
+                    continue;
+                const int64_t q_elem = ((int64_t)qpos * num_heads + (int64_t)h * group) * head_dim;
+                const int32_t *table = block_tables + (int64_t)s * table_stride;
+                switch (head_dim) { /* constant head sizes: unrolled, vectorised copies */
+                case 32: TASK_FOR_DTYPE(32); break;
+                case 64: TASK_FOR_DTYPE(64); break;
+                case 128: TASK_FOR_DTYPE(128); break;
+                default: TASK_FOR_DTYPE(head_dim); break;
+                }
+            }
+        }
+        free(work);
+    }
+    return failed;
+}
