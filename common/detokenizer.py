@@ -65,6 +65,9 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        # A fast tokenizer's decode without cleanup is its Rust backend's decode; calling that
+        # directly skips ~2 us of Python argument handling per call (two calls per token).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._skip_special_tokens = skip_special_tokens
         # Skipped ids decode to nothing, so dropping them up front changes no text and keeps a
         # run of them (e.g. eos under ignore_eos) from growing the window.
@@ -115,6 +118,8 @@ class IncrementalDetokenizer:
         return context
 
     def _decode(self, token_ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
