@@ -17,11 +17,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# On GPUs Triton compiles its small kernel launchers with the system C compiler at run time.
-RUN if [ "$TORCH_VARIANT" != "cpu" ]; then \
-        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-        && rm -rf /var/lib/apt/lists/*; \
-    fi
+# A C compiler at run time: on CPUs for the native decode-attention kernel (built on first use
+# for the host's instruction set, kernels/cpu_attention.py), on GPUs for Triton's launchers.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 

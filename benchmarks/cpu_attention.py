@@ -59,8 +59,14 @@ def run(args: argparse.Namespace) -> dict:
     q = torch.randn(args.batch, num_heads, args.head_dim)
     kv_bytes = sum(lens) * 2 * num_kv_heads * args.head_dim * 4  # K and V, read once
     report: dict = {"config": vars(args), "kv_bytes_per_layer": kv_bytes}
-    for name in ("cpu", "torch"):
-        backend = get_attention_backend(name, torch.device("cpu"))
+    backends = {n: get_attention_backend(n, torch.device("cpu")) for n in ("cpu", "torch")}
+    torch.testing.assert_close(  # a fast wrong answer is no result
+        backends["cpu"].attend(q, cache[0], meta, 0.125),
+        backends["torch"].attend(q, cache[0], meta, 0.125),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    for name, backend in backends.items():
         ms = _time_ms(
             lambda i=0, b=backend: b.attend(q, cache[i % args.layers], meta, 0.125), args.repeat
         )

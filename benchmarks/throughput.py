@@ -152,7 +152,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "triton"))
+    p.add_argument(
+        "--attention-backend", default="auto", choices=("auto", "cpu", "torch", "triton")
+    )
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

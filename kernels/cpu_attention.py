@@ -84,7 +84,9 @@ def paged_decode_attention(
     ``(S, max_blocks) int32``, ``seq_lens (S,) int32``, ``query_start_loc (S+1,) int32``; all on
     the CPU, contiguous, ``query``/``kv_layer``/``out`` of one dtype (float32 or bfloat16).
     Rows of sequences with a longer query are left as they are in ``out``. ``max_seq_len`` must
-    bound ``seq_lens`` (it sizes the per-thread score buffer).
+    bound ``seq_lens`` (it sizes the per-thread score buffer; a longer sequence is refused with
+    ``ValueError``, never read past). Block ids are trusted: they come from the engine's own
+    block tables.
     """
     lib = load_library()
     if lib is None:
@@ -118,6 +120,11 @@ def paged_decode_attention(
         raise ValueError("all tensors must be contiguous CPU tensors")
     if num_seqs == 0 or num_tokens == 0:
         return out
+    if max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds the block tables' reach "
+            f"({block_tables.shape[1]} blocks of {block_size})"
+        )
     failed = lib.pdserve_paged_decode(
         out.data_ptr(),
         query.data_ptr(),
@@ -137,6 +144,8 @@ def paged_decode_attention(
         _DTYPES[query.dtype],
         torch.get_num_threads(),
     )
+    if failed == 2:
+        raise ValueError(f"a sequence in seq_lens is longer than max_seq_len {max_seq_len}")
     if failed:
         raise MemoryError("native CPU attention could not allocate its work buffers")
     return out

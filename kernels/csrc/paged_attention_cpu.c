@@ -171,7 +171,9 @@ INLINE void decode_task(void *out, const void *query, const void *k_cache, const
         else TASK(HEAD_DIM, DTYPE_BF16);                                                       \
     } while (0)
 
-/* Returns 0, or 1 when a thread could not allocate its work buffer (rows then undefined). */
+/* Returns 0; 1 when a thread could not allocate its work buffer, 2 when a sequence is longer
+ * than max_seq_len (its rows are skipped rather than overrun the buffer). Rows are undefined
+ * after a non-zero return. */
 int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
                          const int32_t *block_tables, const int32_t *seq_lens,
                          const int32_t *query_start_loc, int num_seqs, int num_heads,
@@ -184,7 +186,7 @@ int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
     const void *k_cache = kv_layer;
     const void *v_cache = (const char *)kv_layer + half * (int64_t)elem;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(|| : failed)
+#pragma omp parallel num_threads(num_threads) reduction(max : failed)
     {
         const size_t floats = (size_t)(2 * group + 1) * head_dim + (size_t)group * max_seq_len;
         float *work = malloc(sizeof(float) * floats);
@@ -195,6 +197,10 @@ int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
                 const int32_t qpos = query_start_loc[s];
                 if (work == NULL || query_start_loc[s + 1] - qpos != 1 || seq_lens[s] <= 0)
                     continue;
+                if (seq_lens[s] > max_seq_len) {
+                    failed = 2;
+                    continue;
+                }
                 const int64_t q_elem = ((int64_t)qpos * num_heads + (int64_t)h * group) * head_dim;
                 const int32_t *table = block_tables + (int64_t)s * table_stride;
                 switch (head_dim) { /* constant head sizes: unrolled, vectorised copies */

@@ -21,6 +21,7 @@ def args(**kw) -> argparse.Namespace:
         skip_hf=False,
         max_num_batched_tokens=256,
         cpu_threads=None,
+        attention_backend="auto",
         roofline_batch=4,
         roofline_context=32,
         gpu_workload=False,

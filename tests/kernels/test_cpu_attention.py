@@ -127,6 +127,17 @@ def test_rejects_bad_arguments(change, message) -> None:
         )
 
 
+def test_lengths_beyond_max_seq_len_are_refused_not_overrun() -> None:
+    ctx = build_paged_context([20, 41], 16, 2, 64, torch.float32, CPU)
+    q = torch.randn(2, 4, 64)
+    starts = torch.arange(3, dtype=torch.int32)
+    call = cpu_attention.paged_decode_attention
+    with pytest.raises(ValueError, match="longer than max_seq_len 30"):
+        call(q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, starts, 30, 0.1, q.clone())
+    with pytest.raises(ValueError, match="block tables' reach"):
+        call(q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, starts, 99, 0.1, q.clone())
+
+
 def test_backend_matches_torch_backend_on_a_mixed_batch() -> None:
     """The backend (kernel for decodes, SDPA for prefill chunks) equals the PyTorch backend."""
     query_lens, seq_lens = [1, 5, 1, 16, 1], [30, 5, 1, 40, 65]
