@@ -54,6 +54,7 @@ from router.slo import parse_slo
 DEMO_SLO = "ttft=500,tpot=50"  # the demo's SLOs when --slo is not given
 
 _ROUTER_STOP_S = 60.0
+_STRAGGLER_GRACE_S = 3.0  # after a graceful stop, for helpers that exit with their parent
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -272,7 +273,7 @@ class Cluster:
         forced.cancel()
         if not graceful.done():
             graceful.cancel()
-        killed = kill_marked(self.marker)
+        killed = kill_marked(self.marker, grace_s=0.0 if force.is_set() else _STRAGGLER_GRACE_S)
         for process in (self.router, self.redis):
             if process is not None:
                 process.proc.wait()

@@ -193,9 +193,16 @@ def marked_pids(marker: str) -> list[int]:
     return found
 
 
-def kill_marked(marker: str, timeout_s: float = 10.0) -> list[int]:
+def kill_marked(marker: str, timeout_s: float = 10.0, grace_s: float = 0.0) -> list[int]:
     """SIGKILL every process of the cluster ``marker`` until none is left (or ``timeout_s``);
-    returns the pids that had to be killed."""
+    returns the pids that had to be killed.
+
+    ``grace_s``: first wait that long for them to go on their own. After a graceful stop what
+    is left is normally a helper about to exit (multiprocessing's resource tracker, say, leaves
+    once its parent's pipe closes); killing it would report a hung process that was not one."""
+    grace_end = time.monotonic() + grace_s
+    while marked_pids(marker) and time.monotonic() < grace_end:
+        time.sleep(_POLL_S)
     killed: list[int] = []
     deadline = time.monotonic() + timeout_s
     while (pids := marked_pids(marker)) and time.monotonic() < deadline:

@@ -94,3 +94,22 @@ def test_kill_marked_finds_descendants_by_their_environment() -> None:
         kill_marked(marker)
         parent.wait()
     assert marked_pids(marker) == []
+
+
+def test_kill_marked_grace_lets_stragglers_exit_and_kills_the_rest() -> None:
+    marker = uuid.uuid4().hex
+    quick = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(0.5)"], env=child_env(marker)
+    )
+    try:
+        assert kill_marked(marker, grace_s=30.0) == []  # it left on its own within the grace
+        assert quick.wait(timeout=5) == 0
+        stuck = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], env=child_env(marker)
+        )
+        start = time.monotonic()
+        assert kill_marked(marker, grace_s=0.3) == [stuck.pid]
+        assert stuck.wait(timeout=5) == -9 and time.monotonic() - start < 10
+    finally:
+        kill_marked(marker)
+    assert marked_pids(marker) == []
