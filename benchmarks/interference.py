@@ -166,7 +166,7 @@ def plot(results: dict[str, tuple[list[RequestRecord], SLOReport]], out: Path) -
         xscale="log",
     )
     ax_time.set(
-        title="ITL over the run (long-prompt bursts show as spikes)",
+        title="ITL over the run\n(long-prompt bursts show as spikes)",
         xlabel="time (s)",
         ylabel="ITL (ms)",
         yscale="log",
