@@ -82,7 +82,8 @@ INLINE void prefetch_block(const void *cache, int64_t first, int64_t stride, int
             __builtin_prefetch(base + (int64_t)i * stride * (int64_t)elem + off, 0, 0);
 }
 
-/* One (sequence, kv head) task. `work` holds (2 * group + 1) * head_dim + group * len floats.
+/* One (sequence, kv head) task. `work` holds (2 * group + block_size) * head_dim + group * len
+ * floats.
  * Always inlined into the dispatcher below, so the common head sizes and each dtype get their
  * own copy with constant trip counts (unrolled loops, accumulators in registers). */
 INLINE void decode_task(void *out, const void *query, const void *k_cache, const void *v_cache,
@@ -91,8 +92,8 @@ INLINE void decode_task(void *out, const void *query, const void *k_cache, const
                         const int dtype, float *work) {
     float *q = work;                    /* group x head_dim, pre-scaled */
     float *acc = q + group * head_dim;  /* group x head_dim */
-    float *buf = acc + group * head_dim; /* head_dim: a converted bf16 row */
-    float *probs = buf + head_dim;      /* group x len */
+    float *buf = acc + group * head_dim; /* block_size x head_dim: converted bf16 rows */
+    float *probs = buf + block_size * head_dim; /* group x len */
     const int64_t stride = (int64_t)num_kv_heads * head_dim; /* between token slots */
     const int64_t head = (int64_t)h * head_dim;
     const int num_blocks = (len + block_size - 1) / block_size;
@@ -141,20 +142,32 @@ INLINE void decode_task(void *out, const void *query, const void *k_cache, const
         }
         inv_sum[g] = 1.0f / sum;
     }
-    /* pass over V */
+    /* pass over V, a block at a time: each query head's accumulator stays in registers while
+     * it sweeps the block's rows (cache-hot after the first head), instead of a load and a
+     * store of the accumulator per row */
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int b = 0, t = 0; b < num_blocks; b++) {
         const int64_t first = (int64_t)table[b] * block_size * stride + head;
         const int n = len - t < block_size ? len - t : block_size;
         PREFETCH(v_cache, b + 2);
-        for (int i = 0; i < n; i++, t++) {
-            const float *v = row_f32(v_cache, first + i * stride, head_dim, dtype, buf);
-            for (int g = 0; g < group; g++) {
-                const float p = probs[(int64_t)g * len + t];
-                float *ag = acc + g * head_dim;
-                for (int d = 0; d < head_dim; d++) ag[d] += p * v[d];
-            }
+        const float *v0 = row_f32(v_cache, first, head_dim, dtype, buf);
+        int64_t v_stride = stride;
+        if (dtype != DTYPE_F32) { /* convert the block's rows once for all heads */
+            for (int i = 1; i < n; i++)
+                row_f32(v_cache, first + i * stride, head_dim, dtype, buf + i * head_dim);
+            v_stride = head_dim;
         }
+        for (int g = 0; g < group; g++) {
+            const float *p = probs + (int64_t)g * len + t;
+            float a[head_dim];
+            memcpy(a, acc + g * head_dim, sizeof a);
+            for (int i = 0; i < n; i++) {
+                const float *v = v0 + i * v_stride;
+                for (int d = 0; d < head_dim; d++) a[d] += p[i] * v[d];
+            }
+            memcpy(acc + g * head_dim, a, sizeof a);
+        }
+        t += n;
     }
 #undef PREFETCH
     for (int g = 0; g < group; g++)
@@ -188,7 +201,8 @@ int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(max : failed)
     {
-        const size_t floats = (size_t)(2 * group + 1) * head_dim + (size_t)group * max_seq_len;
+        const size_t floats =
+            (size_t)(2 * group + block_size) * head_dim + (size_t)group * max_seq_len;
         float *work = malloc(sizeof(float) * floats);
         failed = work == NULL;
 #pragma omp for schedule(dynamic, 1) collapse(2)
