@@ -82,10 +82,9 @@ INLINE void prefetch_block(const void *cache, int64_t first, int64_t stride, int
             __builtin_prefetch(base + (int64_t)i * stride * (int64_t)elem + off, 0, 0);
 }
 
-/* One (sequence, kv head) task. `work` holds (2 * group + block_size) * head_dim + group * len
- * floats.
- * Always inlined into the dispatcher below, so the common head sizes and each dtype get their
- * own copy with constant trip counts (unrolled loops, accumulators in registers). */
+/* One (sequence, kv head) task; `work` holds (2 * group + block_size) * head_dim + group * len
+ * floats. Always inlined into the dispatcher below, so the common head sizes and each dtype get
+ * their own copy with constant trip counts (unrolled loops, accumulators in registers). */
 INLINE void decode_task(void *out, const void *query, const void *k_cache, const void *v_cache,
                         const int32_t *table, int64_t q_elem, int len, int h, int group,
                         int num_kv_heads, const int head_dim, int block_size, float scale,
