@@ -203,11 +203,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
         if query.dtype not in self._dtypes:
             return super().attend(query, kv_layer, meta, scale)
+        query = query.contiguous()  # no-ops for the model runner's own tensors
         out = torch.empty_like(query)
         self._kernel(
             query,
             kv_layer,
-            meta.block_tables,
+            meta.block_tables.contiguous(),
             meta.seq_lens,
             meta.query_start_loc,
             meta.max_seq_len,
