@@ -77,6 +77,7 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor,
+    partition_size: int = 0,
 ) -> torch.Tensor:
     """Attention of every sequence whose query length is 1 over its cached context.
 
@@ -86,7 +87,8 @@ def paged_decode_attention(
     Rows of sequences with a longer query are left as they are in ``out``. ``max_seq_len`` must
     bound ``seq_lens`` (it sizes the per-thread score buffer; a longer sequence is refused with
     ``ValueError``, never read past). Block ids are trusted: they come from the engine's own
-    block tables.
+    block tables. ``partition_size``: tokens per task when contexts are split so that a few
+    sequences still keep every thread busy (0: chosen by the kernel; see the C source).
     """
     lib = load_library()
     if lib is None:
@@ -142,6 +144,7 @@ def paged_decode_attention(
         max(int(max_seq_len), 1),
         float(scale),
         _DTYPES[query.dtype],
+        max(int(partition_size), 0),
         torch.get_num_threads(),
     )
     if failed == 2:
@@ -155,7 +158,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.pdserve_paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_int] * 2
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
     return lib
 
 

@@ -10,8 +10,10 @@
  * byte is read twice and written once. Here a task reads each K and V row once, straight out
  * of its block, for all the query heads that share the kv head (GQA).
  *
- * One task = one (sequence, kv head); tasks are spread over the threads dynamically because
- * context lengths differ. A task:
+ * One task = one (sequence, kv head), or one partition of its context when there are too few
+ * sequences to keep every thread busy (flash-decoding's split: each partition leaves its max,
+ * sum and unnormalised accumulator, and a second pass merges them). Tasks are spread over the
+ * threads dynamically because context lengths differ. A task:
  *
  *     q_g * scale            for the G = H / Hkv query heads of the group   (G x D, fp32)
  *     s[g][t] = q_g . k_t    t = 0 .. seq_len-1, k_t read in place          (pass over K)
@@ -82,13 +84,17 @@ INLINE void prefetch_block(const void *cache, int64_t first, int64_t stride, int
             __builtin_prefetch(base + (int64_t)i * stride * (int64_t)elem + off, 0, 0);
 }
 
-/* One (sequence, kv head) task; `work` holds (2 * group + block_size) * head_dim + group * len
- * floats. Always inlined into the dispatcher below, so the common head sizes and each dtype get
- * their own copy with constant trip counts (unrolled loops, accumulators in registers). */
-INLINE void decode_task(void *out, const void *query, const void *k_cache, const void *v_cache,
-                        const int32_t *table, int64_t q_elem, int len, int h, int group,
-                        int num_kv_heads, const int head_dim, int block_size, float scale,
-                        const int dtype, float *work) {
+/* One task: kv head h of one sequence over `len` tokens whose blocks are table[0..]; the whole
+ * context, or one partition of it (then `table` starts at the partition's first block). With
+ * `partial` NULL it writes the normalised output rows; otherwise, per query head g,
+ * partial[g * (head_dim + 2) ...] = (max score, sum of exp, unnormalised acc[head_dim]) for
+ * merge_partials. `work` holds (2 * group + block_size) * head_dim + group * len floats.
+ * Always inlined into the dispatcher below, so the common head sizes and each dtype get their
+ * own copy with constant trip counts (unrolled loops, accumulators in registers). */
+INLINE void decode_task(void *out, float *partial, const void *query, const void *k_cache,
+                        const void *v_cache, const int32_t *table, int64_t q_elem, int len, int h,
+                        int group, int num_kv_heads, const int head_dim, int block_size,
+                        float scale, const int dtype, float *work) {
     float *q = work;                    /* group x head_dim, pre-scaled */
     float *acc = q + group * head_dim;  /* group x head_dim */
     float *buf = acc + group * head_dim; /* block_size x head_dim: converted bf16 rows */
@@ -129,7 +135,7 @@ INLINE void decode_task(void *out, const void *query, const void *k_cache, const
         }
     }
     /* softmax numerators in place */
-    float inv_sum[group];
+    float inv_sum[group], max_score[group];
     for (int g = 0; g < group; g++) {
         float *p = probs + (int64_t)g * len;
         float m = p[0];
@@ -140,6 +146,7 @@ INLINE void decode_task(void *out, const void *query, const void *k_cache, const
             sum += p[t];
         }
         inv_sum[g] = 1.0f / sum;
+        max_score[g] = m;
     }
     /* pass over V, a block at a time: each query head's accumulator stays in registers while
      * it sweeps the block's rows (cache-hot after the first head), instead of a load and a
@@ -169,13 +176,45 @@ INLINE void decode_task(void *out, const void *query, const void *k_cache, const
         t += n;
     }
 #undef PREFETCH
-    for (int g = 0; g < group; g++)
-        store_row(out, q_elem + (int64_t)g * head_dim, acc + g * head_dim, inv_sum[g], head_dim,
-                  dtype);
+    for (int g = 0; g < group; g++) {
+        if (partial == NULL) {
+            store_row(out, q_elem + (int64_t)g * head_dim, acc + g * head_dim, inv_sum[g],
+                      head_dim, dtype);
+        } else {
+            float *dst = partial + (int64_t)g * (head_dim + 2);
+            dst[0] = max_score[g];
+            dst[1] = 1.0f / inv_sum[g];
+            memcpy(dst + 2, acc + g * head_dim, sizeof(float) * (size_t)head_dim);
+        }
+    }
+}
+
+/* Output rows of kv head h's query group from `num_parts` partitions' partial results:
+ * out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M), M = max_p m_p. `acc` is scratch
+ * (head_dim floats). */
+static void merge_partials(void *out, const float *partials, int num_parts, int64_t part_stride,
+                           int64_t q_elem, int group, int head_dim, int dtype, float *acc) {
+    for (int g = 0; g < group; g++) {
+        const float *first = partials + (int64_t)g * (head_dim + 2);
+        float m = first[0];
+        for (int p = 1; p < num_parts; p++) {
+            const float mp = first[p * part_stride];
+            m = mp > m ? mp : m;
+        }
+        float sum = 0.0f;
+        memset(acc, 0, sizeof(float) * (size_t)head_dim);
+        for (int p = 0; p < num_parts; p++) {
+            const float *part = first + p * part_stride;
+            const float w = expf(part[0] - m);
+            sum += part[1] * w;
+            for (int d = 0; d < head_dim; d++) acc[d] += part[2 + d] * w;
+        }
+        store_row(out, q_elem + (int64_t)g * head_dim, acc, 1.0f / sum, head_dim, dtype);
+    }
 }
 
 #define TASK(HEAD_DIM, DTYPE)                                                                  \
-    decode_task(out, query, k_cache, v_cache, table, q_elem, seq_lens[s], h, group,           \
+    decode_task(out, partial, query, k_cache, v_cache, table, q_elem, span, h, group,         \
                 num_kv_heads, HEAD_DIM, block_size, scale, DTYPE, work)
 #define TASK_FOR_DTYPE(HEAD_DIM)                                                               \
     do {                                                                                       \
@@ -183,48 +222,123 @@ INLINE void decode_task(void *out, const void *query, const void *k_cache, const
         else TASK(HEAD_DIM, DTYPE_BF16);                                                       \
     } while (0)
 
-/* Returns 0; 1 when a thread could not allocate its work buffer, 2 when a sequence is longer
- * than max_seq_len (its rows are skipped rather than overrun the buffer). Rows are undefined
- * after a non-zero return. */
+#define MIN_PARTITION 256 /* tokens: smaller tasks cost more in merging than they gain */
+
+/* Tokens per task. Decoding few sequences on many threads, whole contexts would leave threads
+ * idle (one task per (sequence, kv head)), so contexts are cut into partitions until there are
+ * about four tasks per thread, none shorter than MIN_PARTITION; `asked` > 0 forces a size. */
+static int partition_tokens(int asked, const int32_t *seq_lens, const int32_t *query_start_loc,
+                            int num_seqs, int num_kv_heads, int block_size, int max_seq_len,
+                            int num_threads) {
+    int64_t part = asked;
+    if (part <= 0) {
+        int64_t tokens = 0, seqs = 0;
+        for (int s = 0; s < num_seqs; s++) {
+            if (query_start_loc[s + 1] - query_start_loc[s] == 1 && seq_lens[s] > 0) {
+                tokens += seq_lens[s];
+                seqs++;
+            }
+        }
+        const int64_t target = 4 * (int64_t)num_threads;
+        if (seqs * num_kv_heads >= target) return max_seq_len > 0 ? max_seq_len : 1;
+        part = (tokens * num_kv_heads + target - 1) / target;
+        part = part < MIN_PARTITION ? MIN_PARTITION : part;
+    }
+    part = (part + block_size - 1) / block_size * block_size; /* whole blocks */
+    return part < max_seq_len ? (int)part : (max_seq_len > 0 ? max_seq_len : 1);
+}
+
+/* Returns 0; 1 when a work buffer could not be allocated, 2 when a sequence is longer than
+ * max_seq_len (refused before anything is read). Rows are undefined after a non-zero return.
+ * `partition_size`: tokens per task, 0 = automatic (partition_tokens). */
 int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
                          const int32_t *block_tables, const int32_t *seq_lens,
                          const int32_t *query_start_loc, int num_seqs, int num_heads,
                          int num_kv_heads, int head_dim, int block_size, int num_blocks,
                          int table_stride, int max_seq_len, float scale, int dtype,
-                         int num_threads) {
+                         int partition_size, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int64_t half = (int64_t)num_blocks * block_size * num_kv_heads * head_dim;
     const size_t elem = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
     const void *k_cache = kv_layer;
     const void *v_cache = (const char *)kv_layer + half * (int64_t)elem;
+    for (int s = 0; s < num_seqs; s++)
+        if (seq_lens[s] > max_seq_len) return 2;
+    const int part = partition_tokens(partition_size, seq_lens, query_start_loc, num_seqs,
+                                      num_kv_heads, block_size, max_seq_len, num_threads);
+
+    /* the task list: partition i of the decode rows belongs to sequence owner[i] */
+    int *first_part = malloc(sizeof(int) * (size_t)(num_seqs + 1));
+    if (first_part == NULL) return 1;
+    int num_parts = 0, split = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        first_part[s] = num_parts;
+        if (query_start_loc[s + 1] - query_start_loc[s] == 1 && seq_lens[s] > 0) {
+            const int n = (seq_lens[s] + part - 1) / part;
+            num_parts += n;
+            split |= n > 1;
+        }
+    }
+    first_part[num_seqs] = num_parts;
+    const int64_t part_stride = (int64_t)group * (head_dim + 2); /* one (part, kv head) */
+    int *owner = malloc(sizeof(int) * (size_t)(num_parts > 0 ? num_parts : 1));
+    float *partials = split ? malloc(sizeof(float) * (size_t)num_parts * num_kv_heads *
+                                     (size_t)part_stride)
+                            : NULL;
+    if (owner == NULL || (split && partials == NULL)) {
+        free(first_part);
+        free(owner);
+        free(partials);
+        return 1;
+    }
+    for (int s = 0; s < num_seqs; s++)
+        for (int i = first_part[s]; i < first_part[s + 1]; i++) owner[i] = s;
+
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(max : failed)
     {
-        const size_t floats =
-            (size_t)(2 * group + block_size) * head_dim + (size_t)group * max_seq_len;
+        const size_t floats = (size_t)(2 * group + block_size) * head_dim + (size_t)group * part;
         float *work = malloc(sizeof(float) * floats);
         failed = work == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < (int64_t)num_parts * num_kv_heads; task++) {
+            if (work == NULL) continue;
+            const int i = (int)(task / num_kv_heads), h = (int)(task % num_kv_heads);
+            const int s = owner[i], p = i - first_part[s];
+            const int t0 = p * part;
+            const int span = seq_lens[s] - t0 < part ? seq_lens[s] - t0 : part;
+            const int64_t q_elem =
+                ((int64_t)query_start_loc[s] * num_heads + (int64_t)h * group) * head_dim;
+            const int32_t *table = block_tables + (int64_t)s * table_stride + t0 / block_size;
+            float *partial = first_part[s + 1] - first_part[s] > 1
+                                 ? partials + ((int64_t)i * num_kv_heads + h) * part_stride
+                                 : NULL;
+            switch (head_dim) { /* constant head sizes: unrolled, vectorised copies */
+            case 32: TASK_FOR_DTYPE(32); break;
+            case 64: TASK_FOR_DTYPE(64); break;
+            case 128: TASK_FOR_DTYPE(128); break;
+            default: TASK_FOR_DTYPE(head_dim); break;
+            }
+        }
+        if (split) { /* after the implicit barrier: every partition is done */
 #pragma omp for schedule(dynamic, 1) collapse(2)
-        for (int s = 0; s < num_seqs; s++) {
-            for (int h = 0; h < num_kv_heads; h++) {
-                const int32_t qpos = query_start_loc[s];
-                if (work == NULL || query_start_loc[s + 1] - qpos != 1 || seq_lens[s] <= 0)
-                    continue;
-                if (seq_lens[s] > max_seq_len) {
-                    failed = 2;
-                    continue;
-                }
-                const int64_t q_elem = ((int64_t)qpos * num_heads + (int64_t)h * group) * head_dim;
-                const int32_t *table = block_tables + (int64_t)s * table_stride;
-                switch (head_dim) { /* constant head sizes: unrolled, vectorised copies */
-                case 32: TASK_FOR_DTYPE(32); break;
-                case 64: TASK_FOR_DTYPE(64); break;
-                case 128: TASK_FOR_DTYPE(128); break;
-                default: TASK_FOR_DTYPE(head_dim); break;
+            for (int s = 0; s < num_seqs; s++) {
+                for (int h = 0; h < num_kv_heads; h++) {
+                    const int n = first_part[s + 1] - first_part[s];
+                    if (work == NULL || n < 2) continue;
+                    const int64_t q_elem =
+                        ((int64_t)query_start_loc[s] * num_heads + (int64_t)h * group) * head_dim;
+                    merge_partials(out, partials + ((int64_t)first_part[s] * num_kv_heads + h) *
+                                                       part_stride,
+                                   n, num_kv_heads * part_stride, q_elem, group, head_dim, dtype,
+                                   work);
                 }
             }
         }
         free(work);
     }
+    free(first_part);
+    free(owner);
+    free(partials);
     return failed;
 }

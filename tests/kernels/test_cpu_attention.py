@@ -60,6 +60,61 @@ def test_matches_ref(dtype, block_size, head_dim, num_heads, num_kv_heads) -> No
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition_size", [16, 48, 0])
+def test_split_contexts_match_ref(dtype, partition_size) -> None:
+    """Contexts cut into partitions (forced sizes, and the automatic choice for one long MQA
+    sequence on few threads) merge to the same output; short rows stay whole beside them."""
+    seq_lens = [1, 16, 47, 700, 1500]
+    ctx = build_paged_context(seq_lens, 16, 1, 64, dtype, CPU)
+    q = torch.randn(len(seq_lens), 4, 64).to(dtype)
+    out = torch.zeros_like(q)
+    starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    cpu_attention.paged_decode_attention(
+        q,
+        ctx.kv_cache_layer,
+        ctx.block_tables,
+        ctx.seq_lens,
+        starts,
+        1500,
+        0.125,
+        out,
+        partition_size=partition_size,
+    )
+    expected = ref_paged_decode_attention(
+        q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, 0.125
+    )
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def test_single_long_sequence_is_split_automatically() -> None:
+    """One sequence, one kv head: without partitions only one thread could work on it."""
+    ctx = build_paged_context([3000], 16, 1, 128, torch.float32, CPU)
+    q = torch.randn(1, 8, 128)
+    starts = torch.arange(2, dtype=torch.int32)
+    expected = ref_paged_decode_attention(
+        q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, 0.1
+    )
+    for threads in (1, 2, 4):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = cpu_attention.paged_decode_attention(
+                q,
+                ctx.kv_cache_layer,
+                ctx.block_tables,
+                ctx.seq_lens,
+                starts,
+                3000,
+                0.1,
+                torch.zeros_like(q),
+            )
+        finally:
+            torch.set_num_threads(previous)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_mixed_batch_leaves_prefill_rows_and_handles_many_sequences() -> None:
     """Rows of sequences with a longer query stay untouched; 40 sequences spread over threads."""
     rng = random.Random(0)
