@@ -211,6 +211,7 @@ def _build() -> Path:
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
         obj.unlink()
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from other users of a shared cache
         try:
             os.rename(tmp, target_dir)
         except OSError:  # another process published first: use theirs

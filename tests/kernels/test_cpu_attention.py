@@ -247,6 +247,7 @@ def test_fresh_build_is_published_once(monkeypatch, tmp_path) -> None:
     assert len(calls) == 2  # compile, link
     assert cpu_attention._build() == first and len(calls) == 2
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no object file left
+    assert first.parent.stat().st_mode & 0o777 == 0o755  # loadable by other users of the cache
 
 
 def test_engine_greedy_matches_torch_backend() -> None:
