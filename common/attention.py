@@ -15,6 +15,8 @@ chunks need no special case.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -51,6 +53,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @cached_property
+    def query_starts_cpu(self) -> list[int]:
+        """Host copy of ``query_start_loc[:-1]``, computed once per step for every layer."""
+        return [0, *accumulate(self.query_lens)][:-1]
 
 
 class AttentionBackend(Protocol):
@@ -98,17 +105,22 @@ class TorchAttentionBackend:
     def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
         out = torch.empty_like(query)
         decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        starts = meta.query_start_loc.tolist() if len(decode_rows) < meta.num_seqs else None
-        token_of = (lambda i: i) if starts is None else (lambda i: starts[i])
+        starts = meta.query_starts_cpu
         for rows in self._length_groups(decode_rows, meta.seq_lens_cpu):
-            idx = torch.tensor([token_of(i) for i in rows], device=query.device)
+            idx = torch.tensor([starts[i] for i in rows], device=query.device)
             out[idx] = self._decode(query[idx], kv_layer, meta, rows, scale)
+        self._attend_prefills(out, query, kv_layer, meta, scale)
+        return out
+
+    def _attend_prefills(self, out, query, kv_layer, meta, scale) -> None:
+        """Rows of the sequences with more than one query token (prefill chunks), into ``out``."""
+        if meta.max_query_len <= 1:
+            return
+        starts = meta.query_starts_cpu
         for i, n in enumerate(meta.query_lens):
             if n > 1:
-                assert starts is not None
                 lo = starts[i]
                 out[lo : lo + n] = self._prefill(query[lo : lo + n], kv_layer, meta, i, scale)
-        return out
 
     def _length_groups(self, rows: list[int], lens: list[int]) -> list[list[int]]:
         groups: list[list[int]] = []
@@ -215,12 +227,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             scale,
             out,
         )
-        if meta.max_query_len > 1:
-            starts = meta.query_start_loc.tolist()
-            for i, n in enumerate(meta.query_lens):
-                if n > 1:
-                    lo = starts[i]
-                    out[lo : lo + n] = self._prefill(query[lo : lo + n], kv_layer, meta, i, scale)
+        self._attend_prefills(out, query, kv_layer, meta, scale)
         return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 
@@ -36,17 +37,23 @@ _TOP_PAD = 64 * 2**20  # grow the heap in 64 MiB steps
 _done: bool | None = None
 
 
+@functools.cache
+def _libc_function(name: str):
+    """``name`` from the C library (with errno), or None where there is no such function."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
 def keep_freed_host_memory() -> bool:
     """Tune glibc malloc as above; returns whether it applied (cached after the first call)."""
     global _done
     if _done is not None:
         return _done
     _done = False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = all(
@@ -75,17 +82,13 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     calls ``madvise(MADV_HUGEPAGE)`` before the first touch. Without THP (or off Linux) it is a
     plain zeroed tensor.
     """
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % _HUGE_PAGE
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        madvise = libc.madvise
+    madvise = _libc_function("madvise")
+    if madvise is not None:
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         if madvise(tensor.data_ptr(), nbytes, _MADV_HUGEPAGE) != 0:
             logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    except (OSError, AttributeError, TypeError):
-        pass
     return tensor.zero_()

@@ -1,12 +1,11 @@
 """Native CPU decode attention over the paged KV cache (``csrc/paged_attention_cpu.c``).
 
 The C source is compiled on first use with the machine's C compiler (``$CC``, else ``cc``/``gcc``)
-for the host CPU, into ``<cache root>/kernels/<key>/`` (cache root as for the tiny models:
-``$PDSERVE_CACHE_DIR``, else ``~/.cache/pdserve``), and called through ``ctypes``. Building takes
+for the host CPU, into ``<cache root>/kernels/<key>/`` (``common.cache_dir``: built once, published
+atomically, safe from several processes at once), and called through ``ctypes``. Building takes
 about a second; the key hashes the source, the flags, the compiler and the CPU's feature flags,
 so a cache shared between machines never hands one a library built for another's instruction
-set. Several processes may build at once: each compiles into a private temp directory and
-publishes with one atomic ``rename``.
+set.
 
 No compiler, or a failed build: :func:`load_library` logs why once and returns ``None``, and the
 engine keeps the plain PyTorch path (``attention_backend="torch"`` forces that path anyway).
@@ -25,11 +24,12 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from common.cache_dir import build_once, default_cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +164,9 @@ def _open(path: Path) -> ctypes.CDLL:
 
 def _compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)  # type: ignore[return-value]
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     raise RuntimeError("no C compiler found (set $CC, or install gcc)")
 
 
@@ -180,8 +181,6 @@ def _cpu_flags() -> str:
 
 
 def _build() -> Path:
-    from common.models.tiny import default_cache_root  # the one cache root of the project
-
     cc = _compiler()
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(
@@ -195,28 +194,17 @@ def _build() -> Path:
             ]
         )
     ).hexdigest()[:16]
-    target_dir = default_cache_root() / "kernels" / key
-    target = target_dir / _LIB_NAME
-    if target.exists():
-        return target
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target_dir.parent))
-    try:
-        obj = tmp / "paged_attention_cpu.o"
+
+    def compile_into(out: Path) -> None:
+        obj = out / "paged_attention_cpu.o"
         for cmd in (
             [cc, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)],
-            [cc, *_LINK_FLAGS, str(obj), "-o", str(tmp / _LIB_NAME), "-lm"],
+            [cc, *_LINK_FLAGS, str(obj), "-o", str(out / _LIB_NAME), "-lm"],
         ):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
         obj.unlink()
-        tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from other users of a shared cache
-        try:
-            os.rename(tmp, target_dir)
-        except OSError:  # another process published first: use theirs
-            if not target.exists():
-                raise
-        return target
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    target = default_cache_root() / "kernels" / key
+    return build_once(target, compile_into, lambda d: (d / _LIB_NAME).is_file()) / _LIB_NAME

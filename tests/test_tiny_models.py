@@ -16,6 +16,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from common.cache_dir import publish
 from common.models import tiny
 from common.models.tiny import (
     TINY_MODELS,
@@ -208,7 +209,7 @@ def test_publish_loser_keeps_winners_copy(cache_root: Path) -> None:
     loser = target.parent / ".tiny-llama-v1.tmp-loser"
     loser.mkdir()
     (loser / "config.json").write_text("{}")
-    assert tiny._publish(loser, target) == target
+    assert publish(loser, target, tiny._is_complete) == target
     assert not loser.exists()
     assert (target / "model.safetensors").read_bytes() == before
 

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.models.tiny import default_cache_root, resolve_model_path
+from common.cache_dir import default_cache_root
+from common.models.tiny import resolve_model_path
 
 _LLAMA_3_ROPE = {
     "rope_type": "llama3",

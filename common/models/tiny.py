@@ -18,9 +18,9 @@ weight files are byte-identical across generations. The init scale is deliberate
 HF's std=0.02 a random model's logits are nearly uniform and greedy decoding would hinge on
 1e-6 ties, so tests comparing our engine with HF token by token would be flaky.
 
-NOTE on concurrency: several server processes may start at once on a cold cache. Each builds in
-a private temp directory beside the target and publishes it with one atomic `rename`; a loser
-discards its copy and uses the winner's. A directory at the target path is therefore complete.
+NOTE on concurrency: several server processes may start at once on a cold cache; the model is
+built through `common.cache_dir.build_once` (private temp directory, one atomic `rename`), so a
+directory at the target path is complete.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,11 +48,12 @@ from tokenizers import (
     trainers,
 )
 
+from common.cache_dir import build_once, default_cache_root
+
 logger = logging.getLogger(__name__)
 
 Arch = Literal["llama", "qwen2", "mistral"]
 
-_CACHE_ENV = "PDSERVE_CACHE_DIR"
 _VERSION = "v1"  # bump when generation changes: old caches then stay valid for old code
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -218,12 +218,6 @@ def is_tiny_model(name: str) -> bool:
     return name in TINY_MODELS
 
 
-def default_cache_root() -> Path:
-    """The pdserve cache root: `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
-    env = os.environ.get(_CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
-
-
 def resolve_model_path(name_or_path: str) -> Path:
     """Map a model argument to a HF model directory.
 
@@ -253,17 +247,9 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike[str] | None = None
     target = root / "models" / f"{name}-{_VERSION}"
     if _is_complete(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("generating built-in model %s into %s (first use, takes seconds)", name, target)
     start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        _generate(TINY_MODELS[name], tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _make_world_readable(tmp)
-    published = _publish(tmp, target)
+    published = build_once(target, lambda tmp: _generate(TINY_MODELS[name], tmp), _is_complete)
     logger.debug("built-in model %s ready in %.1fs", name, time.perf_counter() - start)
     return published
 
@@ -271,24 +257,6 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike[str] | None = None
 def _is_complete(model_dir: Path) -> bool:
     # Only whole directories are ever renamed into place, so these files imply the rest.
     return (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
-
-
-def _make_world_readable(model_dir: Path) -> None:
-    # mkdtemp (and safetensors) create owner-only modes; a shared cache should be readable.
-    model_dir.chmod(0o755)
-    for path in model_dir.iterdir():
-        path.chmod(0o644)
-
-
-def _publish(tmp: Path, target: Path) -> Path:
-    """Atomically move the finished `tmp` to `target`; if another process won, use its copy."""
-    try:
-        os.rename(tmp, target)  # atomic; fails if target is a non-empty directory
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _is_complete(target):
-            raise
-    return target
 
 
 def _generate(spec: TinyModelSpec, out_dir: Path) -> None:
