@@ -42,6 +42,11 @@ class RouterConfig:
     max_logprobs: int = 20
     max_body_bytes: int = 4 * 2**20
     max_header_bytes: int = 16 * 2**10
+    # Idle HTTP keep-alive connections are closed after this long. It must outlast the idle
+    # expiry of clients' connection pools (httpx and so the openai client: 5 s), or a client
+    # reusing a connection just as the server closes it gets "connection reset" for a request
+    # the router never saw.
+    http_keep_alive_s: float = 75.0
     api_key: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -69,6 +74,8 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.http_keep_alive_s <= 0:
+            raise ValueError("http_keep_alive_s must be > 0")
         if self.max_retries < 0 or self.max_logprobs < 0:
             raise ValueError("max_retries and max_logprobs must be >= 0")
 
@@ -116,6 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-logprobs", type=int, default=d.max_logprobs)
     a("--max-body-bytes", type=int, default=d.max_body_bytes)
     a("--max-header-bytes", type=int, default=d.max_header_bytes)
+    a("--http-keep-alive", dest="http_keep_alive_s", type=float, default=d.http_keep_alive_s,
+      help="seconds an idle HTTP connection stays open (above clients' pool expiry)")  # fmt: skip
     a("--api-key", default=None, help="require Bearer KEY (or set PDSERVE_API_KEY)")
     a("--tls-cert", default=None, help="gRPC and HTTP server certificate (PEM)")
     a("--tls-key", default=None, help="its private key (PEM)")

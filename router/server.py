@@ -179,6 +179,7 @@ def http_server(router: Router) -> tuple[_UvicornServer, socket.socket]:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=int(_GRACE_S),
+        timeout_keep_alive=config.http_keep_alive_s,
         ssl_certfile=config.tls_cert,
         ssl_keyfile=config.tls_key,
     )
