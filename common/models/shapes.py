@@ -22,6 +22,7 @@ _LLAMA_3_ROPE = {
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": 2048,
         "intermediate_size": 8192,
         "num_hidden_layers": 16,
@@ -38,6 +39,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "qwen2-0.5b": {
         "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
         "hidden_size": 896,
         "intermediate_size": 4864,
         "num_hidden_layers": 24,
@@ -52,6 +54,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
     "llama-3-8b": {
         "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,

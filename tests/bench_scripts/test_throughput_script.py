@@ -49,3 +49,32 @@ def test_dummy_gpu_shape_smoke():
         )
     )
     assert report["pdserve"]["output_tokens"] > 0
+
+
+def test_named_shape_runs_against_hf():
+    """`--shape` end to end, HF included: the written config must load in transformers
+    (it once lacked `model_type`, which transformers 5 requires)."""
+    report = run(
+        args(
+            shape="llama-3.2-1b",
+            shape_layers=1,
+            dtype="float32",
+            num_requests=2,
+            input_len=(4, 8),
+            output_len=(2, 3),
+            hf_batch_size=2,
+            roofline_batch=0,
+        )
+    )
+    assert report["pdserve"]["output_tokens"] == report["hf"]["output_tokens"] > 0
+
+
+def test_every_shape_loads_in_transformers():
+    from transformers import AutoConfig
+
+    from common.models.shapes import SHAPES, write_dummy_shape
+
+    for name, shape in SHAPES.items():
+        config = AutoConfig.from_pretrained(write_dummy_shape(name, num_layers=1))
+        assert config.architectures == shape["architectures"]
+        assert config.hidden_size == shape["hidden_size"]
