@@ -20,6 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 Buffer = memoryview | bytes | bytearray
+# One entry's payload: a single buffer, or its consecutive pieces ("chunks": e.g. the per-layer
+# slices of a layer-major staging buffer). A store treats the chunks as one payload, in order.
+Payload = Buffer | Sequence[Buffer]
+# Where a read lands: one writable buffer of the payload's size, or writable chunks whose sizes
+# add up to it (filled in order: a scatter read).
+Destination = memoryview | Sequence[memoryview]
 
 
 @dataclass(frozen=True)
@@ -69,19 +75,21 @@ class KVStore(ABC):
 
     @abstractmethod
     def put_many(
-        self, keys: Sequence[str], payloads: Sequence[Buffer], num_tokens: Sequence[int]
+        self, keys: Sequence[str], payloads: Sequence[Payload], num_tokens: Sequence[int]
     ) -> list[bool]:
         """Frame each payload with an entry header and store it under its key.
 
-        Payloads are only read (any C-contiguous buffer). Returns, per key, True when the entry
-        is durable in the store now (a later reader will find it unless it is evicted).
+        Payloads are only read (C-contiguous buffers, or sequences of them taken as one payload
+        in order). Returns, per key, True when the entry is durable in the store now (a later
+        reader will find it unless it is evicted).
         """
 
     @abstractmethod
     def get_many_into(
-        self, keys: Sequence[str], num_tokens: Sequence[int], out: Sequence[memoryview]
+        self, keys: Sequence[str], num_tokens: Sequence[int], out: Sequence[Destination]
     ) -> list[bool]:
-        """Read payloads into caller-owned writable buffers of exactly the payload size.
+        """Read payloads into caller-owned writable buffers of exactly the payload size (or
+        sequences of writable chunks whose sizes add up to it, filled in order).
 
         Returns, per key, True when `out[i]` now holds the verified payload. False (a miss) when
         the entry is absent, evicted, corrupt, for another fingerprint / token count / size, or

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import xxhash
 
-from kv_store.base import Buffer
+from kv_store.base import Buffer, Destination, Payload
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -44,6 +45,7 @@ _HEADER_XXH = struct.Struct("<Q")
 assert _BODY.size + _HEADER_XXH.size == HEADER_SIZE
 
 _xxh3_64 = xxhash.xxh3_64_intdigest
+_xxh3_64_stream = xxhash.xxh3_64
 
 
 class EntryHeader(NamedTuple):
@@ -87,21 +89,47 @@ def byte_view(buf: Buffer) -> memoryview:
     return view.cast("B")
 
 
-def payload_checksum(payload: Buffer) -> int:
-    """xxh3_64 of a payload (any C-contiguous buffer)."""
-    return _xxh3_64(payload)
+def chunk_views(payload: Payload | Destination) -> list[memoryview]:
+    """Flat byte views of a payload given as one buffer or as a sequence of chunks."""
+    if isinstance(payload, memoryview | bytes | bytearray) or _is_buffer(payload):
+        return [byte_view(payload)]  # type: ignore[arg-type]  # one buffer (e.g. numpy array)
+    return [byte_view(chunk) for chunk in payload]  # type: ignore[union-attr]
+
+
+def _is_buffer(obj: object) -> bool:
+    try:
+        memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def payload_size(chunks: Sequence[memoryview]) -> int:
+    """Bytes of a payload given as flat byte views."""
+    return sum(len(c) for c in chunks)
+
+
+def payload_checksum(payload: Payload) -> int:
+    """xxh3_64 of a payload (one buffer, or chunks hashed as their concatenation)."""
+    chunks = chunk_views(payload)
+    if len(chunks) == 1:
+        return _xxh3_64(chunks[0])
+    state = _xxh3_64_stream()
+    for chunk in chunks:
+        state.update(chunk)
+    return state.intdigest()
 
 
 def encode_header(
     fp_digest: bytes,
     num_tokens: int,
-    payload: Buffer,
+    payload: Payload,
     *,
     committed: bool = True,
 ) -> bytes:
     """The 64-byte header for `payload`. Computes the payload checksum (one pass over it)."""
-    nbytes = memoryview(payload).nbytes
-    return _pack(fp_digest, num_tokens, nbytes, _xxh3_64(payload), committed)
+    chunks = chunk_views(payload)
+    return _pack(fp_digest, num_tokens, payload_size(chunks), payload_checksum(chunks), committed)
 
 
 def _pack(fp_digest: bytes, num_tokens: int, payload_len: int, xxh: int, committed: bool) -> bytes:
@@ -124,23 +152,25 @@ def parse_header(buf: Buffer) -> EntryHeader | None:
     return EntryHeader(flags, num_tokens, payload_len, xxh, fp)
 
 
-def verify(header: Buffer, payload: memoryview, fp_digest: bytes, num_tokens: int) -> bool:
-    """True iff `header` is a committed, intact header of exactly `payload` (a flat byte view)
-    for this fingerprint and token count, and the payload checksum matches. Never raises."""
+def verify(header: Buffer, payload: Payload, fp_digest: bytes, num_tokens: int) -> bool:
+    """True iff `header` is a committed, intact header of exactly `payload` (a flat byte view,
+    or chunks taken in order) for this fingerprint and token count, and the payload checksum
+    matches. Never raises."""
     if len(header) != HEADER_SIZE:
         return False
     (stored_xxh,) = _HEADER_XXH.unpack_from(header, _BODY.size)
     if _xxh3_64(memoryview(header)[: _BODY.size]) != stored_xxh:
         return False
     magic, version, flags, ntok, _, plen, xxh, fp = _BODY.unpack_from(header)
+    chunks = chunk_views(payload)
     return (
         magic == MAGIC
         and version == VERSION
         and bool(flags & FLAG_COMMITTED)
         and ntok == num_tokens
-        and plen == len(payload)
+        and plen == payload_size(chunks)
         and fp == fp_digest
-        and _xxh3_64(payload) == xxh
+        and payload_checksum(chunks) == xxh
     )
 
 
