@@ -1,48 +1,20 @@
 """Native CPU decode attention over the paged KV cache (``csrc/paged_attention_cpu.c``).
 
-The C source is compiled on first use with the machine's C compiler (``$CC``, else ``cc``/``gcc``)
-for the host CPU, into ``<cache root>/kernels/<key>/`` (``common.cache_dir``: built once, published
-atomically, safe from several processes at once), and called through ``ctypes``. Building takes
-about a second; the key hashes the source, the flags, the compiler and the CPU's feature flags,
-so a cache shared between machines never hands one a library built for another's instruction
-set.
-
-No compiler, or a failed build: :func:`load_library` logs why once and returns ``None``, and the
-engine keeps the plain PyTorch path (``attention_backend="torch"`` forces that path anyway).
-
-The library links OpenMP (``-fopenmp``). PyTorch's CPU wheels load their own ``libgomp.so.1``
-first, and the dynamic loader resolves ours to that same object, so the kernel and PyTorch
-share one thread pool; the launcher passes ``torch.get_num_threads()`` explicitly.
+The kernel lives in the native library of ``kernels.native`` (C, compiled on first use into the
+cache directory, called through ``ctypes``). No compiler, or a failed build: :func:`load_library`
+returns ``None`` (the reason is logged once and kept in :func:`load_error`), and the engine keeps
+the plain PyTorch path (``attention_backend="torch"`` forces that path anyway).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import threading
-from pathlib import Path
 
 import torch
 
-from common.cache_dir import build_once, default_cache_root
+from kernels import native
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-_LIB_NAME = "paged_attention_cpu.so"
-# -ffast-math only when compiling (see the note at the top of the C file)
-_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
-_LINK_FLAGS = ("-shared", "-fopenmp")
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_load_error: str | None = None
+_DTYPES = native.DTYPE_CODES
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
@@ -50,22 +22,13 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it on first use; ``None`` if it cannot be built."""
-    global _library, _load_error
-    with _lock:
-        if _library is not None or _load_error is not None:
-            return _library
-        try:
-            _library = _open(_build())
-        except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-            _load_error = str(exc)
-            logger.warning("native CPU attention unavailable, using the PyTorch path: %s", exc)
-        return _library
+    """The native library, building it on first use; ``None`` if it cannot be built."""
+    return native.load_library()
 
 
 def load_error() -> str | None:
     """Why :func:`load_library` returned ``None`` (after it was called)."""
-    return _load_error
+    return native.load_error()
 
 
 def paged_decode_attention(
@@ -92,7 +55,7 @@ def paged_decode_attention(
     """
     lib = load_library()
     if lib is None:
-        raise RuntimeError(f"native CPU attention unavailable: {_load_error}")
+        raise RuntimeError(f"native CPU attention unavailable: {native.load_error()}")
     num_tokens, num_heads, head_dim = query.shape
     two, num_blocks, block_size, num_kv_heads, kv_dim = kv_layer.shape
     num_seqs = seq_lens.shape[0]
@@ -152,59 +115,3 @@ def paged_decode_attention(
     if failed:
         raise MemoryError("native CPU attention could not allocate its work buffers")
     return out
-
-
-def _open(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    fn = lib.pdserve_paged_decode
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
-    return lib
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        path = shutil.which(name) if name else None
-        if path:
-            return path
-    raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build() -> Path:
-    cc = _compiler()
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                source,
-                " ".join(_COMPILE_FLAGS + _LINK_FLAGS).encode(),
-                cc.encode(),
-                _cpu_flags().encode(),
-                platform.machine().encode(),
-            ]
-        )
-    ).hexdigest()[:16]
-
-    def compile_into(out: Path) -> None:
-        obj = out / "paged_attention_cpu.o"
-        for cmd in (
-            [cc, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)],
-            [cc, *_LINK_FLAGS, str(obj), "-o", str(out / _LIB_NAME), "-lm"],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
-        obj.unlink()
-
-    target = default_cache_root() / "kernels" / key
-    return build_once(target, compile_into, lambda d: (d / _LIB_NAME).is_file()) / _LIB_NAME

@@ -1,9 +1,9 @@
 /*
  * Decode attention over the paged KV cache on the CPU, reading every block in place.
  *
- * Built on first use by kernels/cpu_attention.py (gcc or cc, -O3 for the host CPU, OpenMP) and
- * called through ctypes with raw pointers; that module checks every shape, dtype and stride
- * before a call, so nothing here re-validates.
+ * Built on first use by kernels/native.py (gcc or cc, -O3 for the host CPU, OpenMP) and
+ * called through ctypes with raw pointers by kernels/cpu_attention.py, which checks every shape,
+ * dtype and stride before a call, so nothing here re-validates.
  *
  * Why a native kernel: a CPU decode step is bound by memory traffic. The PyTorch path copies
  * each sequence's blocks into a contiguous workspace and then runs SDPA over it, so every K/V

@@ -15,7 +15,7 @@ import torch
 
 from common import LLM, SamplingParams
 from common.attention import AttentionMetadata, CpuAttentionBackend, get_attention_backend
-from kernels import cpu_attention
+from kernels import cpu_attention, native
 from kernels.paged_decode_attention import ref_paged_decode_attention
 from tests.kernels.conftest import TOLERANCES, build_paged_context
 
@@ -220,9 +220,9 @@ def test_auto_picks_the_native_kernel_on_cpu() -> None:
 
 def test_build_failure_falls_back_to_torch(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_library", None)
-    monkeypatch.setattr(cpu_attention, "_load_error", None)
-    monkeypatch.setattr(cpu_attention, "_compiler", lambda: "/bin/false")
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_load_error", None)
+    monkeypatch.setattr(native, "_compiler", lambda: "/bin/false")
     assert cpu_attention.load_library() is None
     assert "failed" in (cpu_attention.load_error() or "")
     assert get_attention_backend("auto", CPU).name == "torch"
@@ -241,11 +241,12 @@ def test_fresh_build_is_published_once(monkeypatch, tmp_path) -> None:
         calls.append(cmd)
         return real_run(cmd, **kwargs)
 
-    monkeypatch.setattr(cpu_attention.subprocess, "run", counting_run)
-    first = cpu_attention._build()
+    monkeypatch.setattr(native.subprocess, "run", counting_run)
+    first = native._build()
     assert first.exists() and first.parent.parent == tmp_path / "kernels"
-    assert len(calls) == 2  # compile, link
-    assert cpu_attention._build() == first and len(calls) == 2
+    builds = len(native.SOURCES) + 1  # one compile per source, one link
+    assert len(calls) == builds
+    assert native._build() == first and len(calls) == builds
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no object file left
     assert first.parent.stat().st_mode & 0o777 == 0o755  # loadable by other users of the cache
 

@@ -1,0 +1,126 @@
+"""The fused decoder-layer ops on the CPU: each native op against its PyTorch ``ref_*``.
+
+Times one call of each ``torch.ops.pdserve.*`` op (dispatch, argument checks, one native call)
+and of the ``ref_*`` it replaces (HF's op sequence, several dispatched ops) at decode sizes: a
+few rows of a tiny model's width and of Llama-3.2-1B's (hidden 2048, MLP 8192, 32 q / 8 kv heads
+of 64). Each op is checked against its ref before it is timed: a fast wrong answer is no result.
+
+    python -m benchmarks.fused_ops_cpu
+    python -m benchmarks.fused_ops_cpu --rows 1 16 64 --dtype bfloat16 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+import kernels  # registers torch.ops.pdserve.*
+from kernels import native
+from kernels.activation import ref_silu_and_mul
+from kernels.rms_norm import ref_fused_add_rms_norm, ref_rms_norm
+from kernels.rotary import ref_rotary_embedding_and_cache, rope_cos_sin_cache
+
+# hidden -> (intermediate, q heads, kv heads, head dim): tiny-llama's shape, Llama-3.2-1B's
+MODELS = {256: (1024, 4, 2, 64), 2048: (8192, 32, 8, 64)}
+EPS = 1e-5
+
+
+def _us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
+    """The best of `rounds` rounds of `calls` calls: other processes only ever add time."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+class Case(NamedTuple):
+    fused: Callable[[], object]
+    ref: Callable[[], object]
+    mutated: torch.Tensor | None = None  # an input both write (the same values)
+
+
+def _cases(rows: int, hidden: int, dtype: torch.dtype) -> dict[str, Case]:
+    """op name -> its calls on fresh inputs of one size."""
+    intermediate, heads, kv_heads, head_dim = MODELS[hidden]
+    ops = torch.ops.pdserve
+    x, residual = torch.randn(2, rows, hidden).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
+    gate_up = torch.randn(rows, 2 * intermediate).to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    positions = torch.randint(0, 4096, (rows,))
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos_sin = rope_cos_sin_cache(inv_freq, 4096, dtype)
+    cache = torch.zeros(2, 64, 16, kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(64 * 16)[:rows]
+    rope = (qkv, positions, cos_sin, cache, slots, heads, kv_heads)
+    return {
+        "rms_norm": Case(
+            lambda: ops.rms_norm(x, weight, EPS),
+            lambda: ref_rms_norm(x, weight, EPS),
+        ),
+        "fused_add_rms_norm": Case(
+            lambda: ops.fused_add_rms_norm(x, residual, weight, EPS),
+            lambda: ref_fused_add_rms_norm(x, residual, weight, EPS),
+        ),
+        "silu_and_mul": Case(
+            lambda: ops.silu_and_mul(gate_up),
+            lambda: ref_silu_and_mul(gate_up),
+        ),
+        "rotary_embedding_and_cache": Case(
+            lambda: ops.rotary_embedding_and_cache(*rope),
+            lambda: ref_rotary_embedding_and_cache(*rope),
+            cache,
+        ),
+    }
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    return torch.equal(a, b)  # type: ignore[arg-type]
+
+
+def _matches_ref(case: Case) -> bool:
+    fused = case.fused()
+    written = None if case.mutated is None else case.mutated.clone()
+    return _same(fused, case.ref()) and (written is None or torch.equal(written, case.mutated))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=(1, 16, 64))
+    p.add_argument("--hidden", type=int, nargs="+", default=sorted(MODELS), choices=MODELS)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if native.load_library() is None:
+        raise SystemExit(f"native library unavailable: {native.load_error()}")
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    print(f"{args.dtype}, {torch.get_num_threads()} threads, {kernels.__name__} ops vs refs")
+    print(
+        f"{'op':28s} {'rows':>4s} {'hidden':>6s} {'native us':>10s} {'ref us':>8s} {'speedup':>8s}"
+    )
+    with torch.inference_mode():
+        for hidden in args.hidden:
+            for rows in args.rows:
+                for name, case in _cases(rows, hidden, dtype).items():
+                    assert _matches_ref(case), f"{name} differs from its ref"
+                    fused_us, ref_us = _us_per_call(case.fused), _us_per_call(case.ref)
+                    print(
+                        f"{name:28s} {rows:4d} {hidden:6d} {fused_us:10.1f} {ref_us:8.1f} "
+                        f"{ref_us / fused_us:7.1f}x"
+                    )
+
+
+if __name__ == "__main__":
+    main()
