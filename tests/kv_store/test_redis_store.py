@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
-from kv_store import HEADER_SIZE, RedisStore
-from tests.conftest import RedisServer
+from kv_store import HEADER_SIZE, RedisStore, redis_store
+from tests.conftest import REDIS_SERVER, RedisServer, TLSFiles, free_port, tls_server_args
 from tests.kv_store import block_key, payload_for
 
 FP = "tiny-llama|float32|bs16|L4|kv2|d32"
@@ -195,3 +200,201 @@ def test_one_writer_one_reader_thread(store: RedisStore) -> None:
         t.join()
     assert not errors
     assert _read(store, keys, 8192) == [True] * 64
+
+
+# -- chunked payloads (one entry = several buffers, e.g. per-layer slices) ---------------------
+
+
+def _chunks(buf: bytes | bytearray, sizes: list[int]) -> list[memoryview]:
+    offsets = np.cumsum([0, *sizes]).tolist()
+    return [memoryview(buf)[a:b] for a, b in itertools.pairwise(offsets)]
+
+
+def test_chunked_payloads_round_trip_in_any_split(store: RedisStore) -> None:
+    keys = [block_key(FP, i) for i in range(6)]
+    size = 4 * 8192
+    payloads = [payload_for(k, size) for k in keys]
+    assert store.put_many(keys, [_chunks(p, [8192] * 4) for p in payloads], [16] * 6) == [True] * 6
+    outs = [bytearray(size) for _ in keys]
+    splits = [
+        [size],
+        [1, size - 1],
+        [8192] * 4,
+        [100, 0, size - 100],
+        [size // 3, size - size // 3],
+    ]
+    splits.append([64] * (size // 64))  # 512 tiny destination chunks
+    assert (
+        store.get_many_into(keys, [16] * 6, [_chunks(o, s) for o, s in zip(outs, splits)])
+        == [True] * 6
+    )
+    assert [bytes(o) for o in outs] == payloads
+    assert store.get_many(keys, [16] * 6) == payloads  # chunks are one payload, in order
+    # the same entry written as one buffer has the same header: chunking never shows
+    store.put_many(keys[:1], [payloads[0]], [16])
+    assert store.get_many_into(keys[:1], [16], [_chunks(outs[0], [10, size - 10])]) == [True]
+
+
+def test_chunked_destination_of_the_wrong_total_size_is_a_miss(store: RedisStore) -> None:
+    key = block_key(FP, 0)
+    store.put_many([key], [[b"a" * 100, b"b" * 100]], [16])
+    short, long_ = bytearray(199), bytearray(201)
+    assert store.get_many_into([key] * 2, [16] * 2, [_chunks(short, [99, 100]), [long_]]) == [
+        False,
+        False,
+    ]
+    with pytest.raises(ValueError):  # read-only destination: a programming error
+        store.get_many_into([key], [16], [[memoryview(b"x" * 200)]])
+
+
+# -- several connections per batch -------------------------------------------------------------
+
+
+@pytest.fixture
+def small_slices(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Slices of 64 KiB, so that test-sized batches take the parallel path."""
+    monkeypatch.setattr(redis_store, "MIN_SLICE_BYTES", 65536)
+    return 65536
+
+
+def test_connections_from_url_and_default(redis_server: RedisServer) -> None:
+    with RedisStore(redis_server.url + "?connections=3&ttl=9", FP) as s:
+        assert (s.connections, s.ttl_s) == (3, 9)
+    with RedisStore(redis_server.url, FP) as s:
+        assert s.connections == redis_store.default_connections() >= 1
+    with pytest.raises(ValueError):
+        RedisStore(redis_server.url + "?protocol=3", FP)
+
+
+def test_small_batches_stay_one_slice(redis_server: RedisServer) -> None:
+    keys = [block_key(FP, i) for i in range(64)]
+    with RedisStore(redis_server.url, FP, connections=4) as s:  # 64 x 32 KiB < MIN_SLICE_BYTES
+        _put(s, keys, 32768)
+        assert _read(s, keys, 32768) == [True] * 64
+        assert s._executor is None
+        with redis_server.client() as client:
+            assert len(client.client_list()) == 2  # the store's one connection + this one
+
+
+def test_parallel_slices_use_several_connections(
+    redis_server: RedisServer, small_slices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of 16 x 64 KiB with 4 connections runs as 4 slices at once: each slice waits at a
+    barrier until all four are on the wire, so they must hold 4 connections together."""
+    keys = [block_key(FP, i) for i in range(16)]
+    barrier = threading.Barrier(4, timeout=10)
+    real_send = redis_store._send
+
+    def send_together(sock, pieces):
+        barrier.wait()
+        real_send(sock, pieces)
+
+    with RedisStore(redis_server.url, FP, connections=4) as s:
+        monkeypatch.setattr(redis_store, "_send", send_together)
+        assert _put(s, keys, 65536) == [True] * 16
+        assert _read(s, keys, 65536) == [True] * 16
+        with redis_server.client() as client:
+            assert len(client.client_list()) == 4 + 1
+        monkeypatch.setattr(redis_store, "_send", real_send)
+        missing = {1, 6, 7, 15}  # results stay in key order across slices
+        assert s.delete_many([keys[i] for i in missing]) == 4
+        assert _read(s, keys, 65536) == [i not in missing for i in range(16)]
+        assert s.contains_many(keys) == [i not in missing for i in range(16)]
+        got = s.get_many(keys, [16] * 16)
+        assert got == [None if i in missing else payload_for(k, 65536) for i, k in enumerate(keys)]
+
+
+def test_parallel_slices_from_several_threads(redis_server: RedisServer, small_slices: int) -> None:
+    """Writer, reader and scheduler threads share one store and its thread pool."""
+    keys = [block_key(FP, i) for i in range(48)]
+    errors: list[BaseException] = []
+    with RedisStore(redis_server.url, FP, connections=3) as s:
+        _put(s, keys, 40000)
+
+        def work(fn: Callable[[], object]) -> None:
+            try:
+                for _ in range(15):
+                    fn()
+            except BaseException as exc:
+                errors.append(exc)
+
+        jobs = [
+            lambda: _put(s, keys[::2], 40000),
+            lambda: _read(s, keys, 40000),
+            lambda: s.contains_many(keys) == [True] * 48 or errors.append(AssertionError()),
+        ]
+        threads = [threading.Thread(target=work, args=(job,)) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert _read(s, keys, 40000) == [True] * 48
+
+
+def test_server_killed_during_a_parallel_batch(
+    redis_server: RedisServer, small_slices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = [block_key(FP, i) for i in range(16)]
+    with RedisStore(redis_server.url, FP, connections=4) as s:
+        _put(s, keys, 65536)
+        real_send = redis_store._send
+
+        def kill_then_send(sock, pieces):
+            redis_server.kill()
+            real_send(sock, pieces)
+
+        monkeypatch.setattr(redis_store, "_send", kill_then_send)
+        assert _read(s, keys, 65536) == [False] * 16
+        assert _put(s, keys, 65536) == [False] * 16
+        assert s._counters.errors == 32
+
+
+def test_close_stops_the_thread_pool(redis_server: RedisServer, small_slices: int) -> None:
+    keys = [block_key(FP, i) for i in range(8)]
+    s = RedisStore(redis_server.url, FP, connections=2)
+    _put(s, keys, 65536)
+    pool = s._executor
+    assert pool is not None
+    s.close()
+    s.close()
+    assert s._executor is None and pool._shutdown
+
+
+# -- TLS -------------------------------------------------------------------------------------
+
+
+def test_rediss(tls_files: TLSFiles, tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [REDIS_SERVER, *tls_server_args(tls_files, port), "--bind", "127.0.0.1", "--save", ""]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL)
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tls_files.ca}"
+    try:
+        _wait_for_tls(port, tls_files)
+        with RedisStore(url, FP, connections=2) as s:
+            keys = [block_key(FP, i) for i in range(8)]
+            payloads = [payload_for(k, 3 << 20) for k in keys]  # 24 MiB: parallel slices
+            assert (
+                s.put_many(keys, [_chunks(p, [1 << 20] * 3) for p in payloads], [16] * 8)
+                == [True] * 8
+            )
+            assert _read(s, keys, 3 << 20) == [True] * 8
+            assert s.stats().entries == 8
+        with RedisStore(url.split("?")[0], FP) as unverified:  # no CA: handshake refused
+            assert unverified.contains_many(keys) == [False] * 8
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_for_tls(port: int, tls: TLSFiles) -> None:
+    deadline = time.monotonic() + 10
+    client = redis.Redis(port=port, ssl=True, ssl_ca_certs=str(tls.ca))
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
