@@ -5,6 +5,7 @@
 `entry.py` (verified header + checksum), so a reader gets the exact payload or a miss.
 """
 
+from kv_store.arena_store import ArenaStore
 from kv_store.base import KVStore, StoreStats
 from kv_store.entry import HEADER_SIZE, fingerprint_digest, make_key
 from kv_store.file_store import FileStore
@@ -13,6 +14,7 @@ from kv_store.url import open_store
 
 __all__ = [
     "HEADER_SIZE",
+    "ArenaStore",
     "FileStore",
     "KVStore",
     "RedisStore",

@@ -2,8 +2,10 @@
 
     pdserve kv-store stats --url redis://127.0.0.1:6379/0 [--fingerprint FP] [--json]
     pdserve kv-store clear --url file:///dev/shm/pdserve [--fingerprint FP]
+    pdserve kv-store stats --url shm://            # arenas in /dev/shm/pdserve
 
-Without `--fingerprint` the action covers every namespace found at the URL.
+Without `--fingerprint` the action covers every namespace found at the URL. An arena (`shm://`)
+is opened with the geometry its file records; one that does not exist is an error, not created.
 """
 
 from __future__ import annotations

@@ -83,6 +83,8 @@ def byte_view(buf: Buffer) -> memoryview:
 
     `len()` of the result is its size in bytes, which `len()` of a typed memoryview is not.
     """
+    if isinstance(buf, memoryview) and buf.format == "B" and buf.ndim == 1:
+        return buf  # already flat bytes: no new view
     view = memoryview(buf)
     if view.format == "B" and view.ndim == 1:
         return view
@@ -111,7 +113,10 @@ def payload_size(chunks: Sequence[memoryview]) -> int:
 
 def payload_checksum(payload: Payload) -> int:
     """xxh3_64 of a payload (one buffer, or chunks hashed as their concatenation)."""
-    chunks = chunk_views(payload)
+    return _checksum(chunk_views(payload))
+
+
+def _checksum(chunks: Sequence[memoryview]) -> int:
     if len(chunks) == 1:
         return _xxh3_64(chunks[0])
     state = _xxh3_64_stream()
@@ -129,7 +134,7 @@ def encode_header(
 ) -> bytes:
     """The 64-byte header for `payload`. Computes the payload checksum (one pass over it)."""
     chunks = chunk_views(payload)
-    return _pack(fp_digest, num_tokens, payload_size(chunks), payload_checksum(chunks), committed)
+    return _pack(fp_digest, num_tokens, payload_size(chunks), _checksum(chunks), committed)
 
 
 def _pack(fp_digest: bytes, num_tokens: int, payload_len: int, xxh: int, committed: bool) -> bytes:
@@ -170,7 +175,7 @@ def verify(header: Buffer, payload: Payload, fp_digest: bytes, num_tokens: int) 
         and ntok == num_tokens
         and plen == payload_size(chunks)
         and fp == fp_digest
-        and payload_checksum(chunks) == xxh
+        and _checksum(chunks) == xxh
     )
 
 

@@ -15,10 +15,26 @@ whenever it grows past _FOLD_AT rows, so eviction order is exact LRU.
 
 Every write transaction runs under an exclusive `flock` on `index.lock` as well as SQLite's own
 lock: the kernel wakes a waiting process as soon as the lock is free, where SQLite's busy handler
-would sleep for milliseconds. The store's file operations that must agree with the index (rename
-into place, unlink of victims) run inside these transactions, so the directory and the index change
-together as seen by every other process. Readers never take the lock to read an entry; they take
-it once per batch to record their hits.
+would sleep for milliseconds. Readers never take the lock to read an entry; they take it once per
+batch to record their hits.
+
+NOTE (writes: reserve, publish, settle): a put batch takes the lock twice, never per entry and
+never while a byte is written. `reserve`, before the writes, evicts LRU entries (unlinking their
+files) until the batch fits and records the batch's rows as most recent. The store's workers
+then write and rename the files in parallel with no lock held, so block writes never queue
+behind the index, nor behind another process's transaction. `settle` closes the batch with one
+read of the batch's rows under the flock (a write transaction only if a write failed): it
+unlinks a file whose row another process evicted between the reservation and the rename, and
+drops the rows of failed writes. Measured per batch of 32 (2 cores, 6k rows): reserve 0.24 ms,
+settle 0.05 ms, touch 0.09 ms; the old single transaction also held the lock through the 32
+renames (+0.26 ms) and made every writer wait for it. Invariants, as seen by any process between
+batches:
+
+- committed bytes ≤ capacity, strictly: a file only appears (rename) after its row was counted,
+  and a row only disappears together with its file (or its file is unlinked by `settle`);
+- every file has a row; a row may briefly precede its file (a write in flight: a reader misses).
+  A writer that dies between `reserve` and `settle` leaves at most its batch's rows without files
+  (harmless: misses, evicted like any LRU row) or files without rows (`reconcile` adopts them).
 
 Requirements: a local filesystem (WAL shares memory between processes; flock must be real), and
 SQLite ≥ 3.35 (RETURNING, UPDATE … FROM), which Python 3.10+ builds ship.
@@ -77,12 +93,16 @@ class FileIndex:
     """The shared LRU index of a store directory. Thread-safe; one handle per process.
 
     `unlink(name)` removes the entry file of `name` (True if it existed); the index calls it for
-    its eviction victims inside the transaction that drops them.
+    its eviction victims inside the transaction that drops them. `file_size(name)` is the size of
+    the entry file of `name`, None if there is none.
     """
 
-    def __init__(self, root: Path, unlink: Callable[[str], bool]) -> None:
+    def __init__(
+        self, root: Path, unlink: Callable[[str], bool], file_size: Callable[[str], int | None]
+    ) -> None:
         self._root = root
         self._unlink = unlink
+        self._file_size = file_size
         self._lock = threading.Lock()
         self.created = not (root / "index.sqlite3").exists()
         # Create both files 0600 before SQLite opens the db: its -wal/-shm files copy its mode.
@@ -110,10 +130,7 @@ class FileIndex:
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One exclusive write transaction across threads and processes; rolls back on error."""
         with self._lock:
-            if self._pid != os.getpid():
-                # A forked child shares the parent's SQLite handle and flock description: using
-                # them would corrupt the index or void the mutual exclusion.
-                raise RuntimeError("a FileStore belongs to the process that opened it")
+            self.check_owner()
             with self._flock():
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
@@ -123,12 +140,21 @@ class FileIndex:
                     raise
                 self._db.execute("COMMIT")
 
-    def admit(
-        self, sizes: Mapping[str, int], capacity: int, publish: Callable[[], Collection[str]]
-    ) -> None:
+    @property
+    def owned(self) -> bool:
+        """Whether this process opened the index (False in a forked child)."""
+        return self._pid == os.getpid()
+
+    def check_owner(self) -> None:
+        """Raise RuntimeError in a forked child: it shares the parent's SQLite handle and flock
+        description, and using them would corrupt the index or void the mutual exclusion."""
+        if self._pid != os.getpid():
+            raise RuntimeError("a FileStore belongs to the process that opened it")
+
+    def reserve(self, sizes: Mapping[str, int], capacity: int) -> dict[str, int]:
         """Make room for `sizes` (name → bytes, total ≤ capacity) by evicting least-recently-used
-        entries, call `publish()` to put the files in place, and record the names it returns as
-        the most recent, in that order, in one transaction."""
+        entries and record them as the most recent, in order, in one transaction. Returns each
+        name's reservation stamp (its `used` value), which `settle` needs."""
         with self.transaction() as db:
             (clock, used) = db.execute(
                 "UPDATE totals SET clock = clock + ? RETURNING clock, bytes", (len(sizes),)
@@ -137,10 +163,45 @@ class FileIndex:
             if over > 0:
                 self._fold(db)
                 self._evict(db, over, sizes)
-            published = publish()
             first = clock - len(sizes) + 1
-            rows = [(n, s, first + j) for j, (n, s) in enumerate(sizes.items()) if n in published]
-            db.executemany(_UPSERT, rows)
+            stamps = {name: first + j for j, name in enumerate(sizes)}
+            db.executemany(_UPSERT, [(n, s, stamps[n]) for n, s in sizes.items()])
+        return stamps
+
+    def settle(self, published: Collection[str], failed: Mapping[str, int]) -> None:
+        """Close a reserved batch once its files are in place: `published` names were renamed
+        into place, `failed` ones (name → stamp from `reserve`) were not.
+
+        Unlinks published files whose row was evicted or deleted since `reserve` (the rename
+        may have landed after that unlink), and drops the rows of failed writes unless another
+        writer's file now holds the name. Holds the flock, so that no other transaction is
+        half-done (its unlinks made, its row deletions not yet committed) while the rows are
+        read; it is a write transaction only when a write failed."""
+        if failed:
+            with self.transaction() as db:
+                self._settle(db, published, failed)
+        elif published:
+            with self._lock:
+                self.check_owner()
+                with self._flock():
+                    self._settle(self._db, published, failed)
+
+    def _settle(
+        self, db: sqlite3.Connection, published: Collection[str], failed: Mapping[str, int]
+    ) -> None:
+        if published:
+            marks = ",".join("?" * len(published))
+            query = f"SELECT name FROM entries WHERE name IN ({marks})"
+            present = {name for (name,) in db.execute(query, list(published))}
+            for name in published:
+                if name not in present:
+                    self._unlink(name)
+        for name, stamp in failed.items():
+            size = self._file_size(name)
+            if size is None:
+                db.execute("DELETE FROM entries WHERE name = ? AND used = ?", (name, stamp))
+            else:  # a concurrent writer of the same key published: its file keeps the row
+                db.execute("UPDATE entries SET size = ? WHERE name = ?", (size, name))
 
     def _evict(self, db: sqlite3.Connection, over: int, incoming: Mapping[str, int]) -> None:
         """Drop and unlink LRU entries not in `incoming` until `over` bytes are freed; entries of

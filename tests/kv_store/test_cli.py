@@ -25,7 +25,7 @@ def _main(*argv: str) -> int:
 def _fill(url: str, counts: tuple[int, int]) -> None:
     for fp, n in zip(FPS, counts):
         keys = [block_key(fp, i) for i in range(n)]
-        with open_store(url, fp) as store:
+        with open_store(url, fp, payload_bytes=100) as store:  # only the arena needs the size
             assert all(store.put_many(keys, [payload_for(k, 100) for k in keys], [16] * n))
             store.get_many([keys[0], "missing"], [16, 16])  # one hit, one miss
 
@@ -37,10 +37,12 @@ def _json_stats(capsys: pytest.CaptureFixture[str], url: str, *extra: str) -> di
     return {row["fingerprint"]: row for row in map(json.loads, lines)}
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "shm", "redis"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "file":
         return f"file://{tmp_path}/kv"
+    if request.param == "shm":
+        return f"shm://{tmp_path}/kv?capacity=64KiB"  # the CLI opens it with the same URL
     server: RedisServer = request.getfixturevalue("redis_server")
     return server.url
 
@@ -64,14 +66,23 @@ def test_stats_and_clear(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert all(row["entries"] == 0 for row in _json_stats(capsys, url).values())
 
 
-def test_file_hit_rate_is_shared_across_handles(tmp_path: Path) -> None:
-    url = f"file://{tmp_path}/kv"
+@pytest.mark.parametrize("scheme", ["file", "shm"])
+def test_local_hit_rate_is_shared_across_handles(tmp_path: Path, scheme: str) -> None:
+    url = f"{scheme}://{tmp_path}/kv?capacity=64KiB"
     _fill(url, (2, 1))
     with open_store(url, FPS[0]) as store:  # a fresh handle, e.g. the CLI's
         assert store.stats().shared_hit_rate == pytest.approx(0.5)
 
 
-def test_unreachable_or_bad_url_is_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unreachable_or_bad_url_is_exit_1(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     assert _main("stats", "--url", "redis://127.0.0.1:1/0") == 1
     assert _main("stats", "--url", "ftp://nowhere") == 1
+    assert _main("stats", "--url", "shm://elsewhere/kv") == 1
     assert "failed" in capsys.readouterr().err
+    # an arena that does not exist is reported, not created (the CLI knows no payload size)
+    assert _main("stats", "--url", f"shm://{tmp_path}", "--fingerprint", FPS[0]) == 1
+    assert "payload_bytes is needed" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    assert _main("stats", "--url", f"shm://{tmp_path}/none") == 0  # no namespace: nothing to do

@@ -1,7 +1,9 @@
-"""FileStore in a temp dir: round trips, verification, two-phase commit, LRU order, permissions."""
+"""FileStore in a temp dir: round trips (buffers and chunks), verification, two-phase commit, LRU
+order, parallel batches and their index bookkeeping, permissions."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 import threading
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_store import HEADER_SIZE, FileStore, entry
+from kv_store import HEADER_SIZE, FileStore, entry, open_store
 from kv_store.file_store import default_root
 from tests.kv_store import block_key, payload_for
 
@@ -240,3 +242,83 @@ def test_handle_refuses_to_cross_fork(store: FileStore) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     assert not list(store.root.glob("??/.tmp-*"))  # the child's staged file was cleaned up
     assert _put(store, [block_key(FP, 0)]) == [True]  # the parent's handle is unaffected
+
+
+def _chunks(data: bytes, cuts: list[int]) -> list[memoryview]:
+    edges = [0, *cuts, len(data)]
+    return [memoryview(data)[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@pytest.mark.parametrize("size", [100, 65536, 2 << 20])
+def test_chunks_in_and_out(store: FileStore, size: int) -> None:
+    keys = [block_key(FP, i) for i in range(3)]
+    payloads = [payload_for(k, size) for k in keys]
+    chunked = [_chunks(p, [size // 3, size // 3, size // 2]) for p in payloads]  # one empty
+    assert store.put_many(keys, chunked, [16] * 3) == [True] * 3
+    assert store.path_of(keys[0]).read_bytes()[HEADER_SIZE:] == payloads[0]
+    outs = [[memoryview(bytearray(n)) for n in (size // 2, size - size // 2)] for _ in keys]
+    assert store.get_many_into(keys, [16] * 3, outs) == [True] * 3
+    assert [b"".join(c.tobytes() for c in out) for out in outs] == payloads
+    short = [memoryview(bytearray(size // 2)), memoryview(bytearray(size - size // 2 - 1))]
+    assert store.get_many_into(keys[:1], [16], [short]) == [False]  # chunks one byte short
+
+
+def _parallel(store: FileStore) -> FileStore:
+    store._pool.min_item_bytes = store._pool.min_slice_bytes = 0  # split every batch
+    return store
+
+
+def test_parallel_batches_keep_key_order_and_the_index(tmp_path: Path) -> None:
+    size, keys = 64 << 10, [block_key(FP, i) for i in range(24)]
+    entry_file = HEADER_SIZE + size
+    with _parallel(FileStore(tmp_path / "ns", FP, capacity_bytes=10 * entry_file, workers=3)) as s:
+        assert _put(s, keys[:12:2], size) == [True] * 6
+        assert s._pool._executor is not None  # the batch did go through the threads
+        assert _read(s, keys[:12], size) == [i % 2 == 0 for i in range(12)]
+        assert _put(s, keys[12:20], size) == [True] * 8  # evicts the 4 least recently read
+        assert s.contains_many(keys[:12]) == [i in (8, 10) for i in range(12)]
+        assert _put(s, keys[12:], size) == [True] * 10 + [False] * 2  # only 10 ever fit
+        assert s.contains_many(keys) == [False] * 12 + [True] * 10 + [False] * 2
+        stats = s.stats()
+        assert (stats.entries, stats.bytes) == (10, 10 * entry_file)
+        assert s.reconcile() == (0, 0)
+        files = list(s.root.glob("??/*"))
+        assert len(files) == 10 and sum(f.stat().st_size for f in files) == stats.bytes
+
+
+def test_eviction_between_reserve_and_rename(tmp_path: Path) -> None:
+    """Another process evicts (here: deletes) an entry after its writer reserved it but before
+    the rename: settling the batch removes the file, so the directory agrees with the index."""
+    keys = [block_key(FP, i) for i in range(2)]
+    with FileStore(tmp_path / "ns", FP) as a, FileStore(tmp_path / "ns", FP) as b:
+        write = a._write_entry
+
+        def racing_write(name: str, chunks: list[memoryview], num_tokens: int) -> bool:
+            if name == a.entry_name(keys[0]):
+                assert b.delete_many([keys[0]]) == 0  # drops the row; no file yet
+            return write(name, chunks, num_tokens)
+
+        a._write_entry = racing_write  # type: ignore[method-assign]
+        assert _put(a, keys) == [True, True]  # durable when put; gone since (like an eviction)
+        assert a.contains_many(keys) == [False, True]
+        assert (a.stats().entries, a.reconcile()) == (1, (0, 0))
+
+
+def test_failed_write_drops_its_reservation(store: FileStore) -> None:
+    keys = [block_key(FP, i) for i in range(3)]
+    _put(store, keys[:1])
+
+    def fail(name: str, chunks: list[memoryview], num_tokens: int) -> bool:
+        return False
+
+    store._write_entry = fail  # type: ignore[method-assign]
+    assert _put(store, keys) == [False] * 3  # a re-put of keys[0] fails: its old file stays
+    assert store.contains_many(keys) == [True, False, False]
+    assert (store.stats().entries, store.stats().bytes, store.reconcile()) == (1, FILE, (0, 0))
+
+
+def test_file_url_options(tmp_path: Path) -> None:
+    with open_store(f"file://{tmp_path}?workers=3&capacity=1MiB", FP, payload_bytes=7) as s:
+        assert isinstance(s, FileStore)
+        assert (s.workers, s.capacity_bytes) == (3, 1 << 20)
+        assert _put(s, [block_key(FP, 0)]) == [True]  # payload_bytes is the arena's business

@@ -1,5 +1,7 @@
 """Several processes (spawned, like prefill and decode instances) share one store under capacity
-pressure. Every hit must hold exactly its key's payload; the capacity must hold throughout."""
+pressure. Every hit must hold exactly its key's payload; the capacity must hold throughout.
+Payloads travel as chunks (put) and land in chunks (get); FileStore batches are split across its
+worker threads."""
 
 from __future__ import annotations
 
@@ -38,7 +40,14 @@ def size_of(key: str) -> int:
 def _open(url_or_root: str, capacity: int | None) -> KVStore:
     if url_or_root.startswith("redis://"):
         return RedisStore(url_or_root, FP)
-    return FileStore(url_or_root, FP, capacity_bytes=capacity)
+    store = FileStore(url_or_root, FP, capacity_bytes=capacity, workers=2)
+    store._pool.min_item_bytes = store._pool.min_slice_bytes = 0  # split every batch
+    return store
+
+
+def _halves(size: int) -> tuple[int, int]:
+    """Uneven chunk sizes of a payload, so chunk and file boundaries differ."""
+    return size // 3, size - size // 3
 
 
 def worker(url_or_root: str, capacity: int | None, num_keys: int, seed: int) -> WorkerReport:
@@ -50,13 +59,15 @@ def worker(url_or_root: str, capacity: int | None, num_keys: int, seed: int) -> 
         deadline = time.monotonic() + DURATION_S
         while time.monotonic() < deadline:
             batch = rng.sample(keys, BATCH)
-            payloads = [payload_for(k, size_of(k)) for k in batch]
-            puts_ok += sum(store.put_many(batch, payloads, [16] * BATCH))
+            payloads = [memoryview(payload_for(k, size_of(k))) for k in batch]
+            chunked = [[p[: _halves(len(p))[0]], p[_halves(len(p))[0] :]] for p in payloads]
+            puts_ok += sum(store.put_many(batch, chunked, [16] * BATCH))
             batch = rng.sample(keys, BATCH)
-            out = [memoryview(bytearray(size_of(k))) for k in batch]
-            for key, hit, buf in zip(batch, store.get_many_into(batch, [16] * BATCH, out), out):
+            out = [[memoryview(bytearray(n)) for n in _halves(size_of(k))] for k in batch]
+            for key, hit, bufs in zip(batch, store.get_many_into(batch, [16] * BATCH, out), out):
                 hits, misses = hits + hit, misses + (not hit)
-                corrupt += hit and buf.tobytes() != payload_for(key, len(buf))
+                got = b"".join(buf.tobytes() for buf in bufs)
+                corrupt += hit and got != payload_for(key, size_of(key))
             if capacity is not None:
                 over += store.stats().bytes > capacity
     return WorkerReport(puts_ok, hits, misses, corrupt, over)
