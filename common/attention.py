@@ -1,10 +1,10 @@
-"""Attention over the paged KV cache: one layout, two backends behind one interface.
+"""Attention over the paged KV cache: one layout, three backends behind one interface.
 
 Cache layout (see docs/ARCHITECTURE.md): the whole cache is one tensor
 ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``; a layer sees
 ``(2, num_blocks, block_size, num_kv_heads, head_dim)``. Each layer first writes the step's new K/V
-into their slots, then attends over everything in the cache, so prefix hits and earlier prompt
-chunks need no special case.
+into their slots (the model's fused rotary op does it, ``kernels/rotary.py``), then attends over
+everything in the cache, so prefix hits and earlier prompt chunks need no special case.
 
 - ``TorchAttentionBackend``: plain PyTorch, runs anywhere; it is the reference.
 - ``CpuAttentionBackend``: the torch path with decode rows handed to the native C kernel of
@@ -63,15 +63,6 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_layer: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        """Store ``key``/``value`` ``(T, Hkv, D)`` into ``kv_layer`` at ``meta.slot_mapping``."""
-
     def attend(
         self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
@@ -91,16 +82,6 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
-
-    def write_kv(self, key, value, kv_layer, meta) -> None:
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
-        flat = kv_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        slots = meta.slot_mapping
-        if int(slots.min()) < 0:  # padding tokens: drop them
-            keep = slots >= 0
-            slots, key, value = slots[keep], key[keep], value[keep]
-        flat[0].index_copy_(0, slots, key)
-        flat[1].index_copy_(0, slots, value)
 
     def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
         out = torch.empty_like(query)
@@ -205,27 +186,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self) -> None:
         super().__init__()
+        import kernels.ops  # noqa: F401 - registers torch.ops.pdserve.*
+
         from kernels import cpu_attention
 
         if cpu_attention.load_library() is None:
             raise RuntimeError(f"native CPU attention unavailable: {cpu_attention.load_error()}")
-        self._kernel = cpu_attention.paged_decode_attention
+        self._kernel = torch.ops.pdserve.paged_decode_attention_cpu  # one dispatched op
         self._dtypes = cpu_attention.supported_dtypes()
 
     def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
         if query.dtype not in self._dtypes:
             return super().attend(query, kv_layer, meta, scale)
-        query = query.contiguous()  # no-ops for the model runner's own tensors
-        out = torch.empty_like(query)
-        self._kernel(
+        out = self._kernel(
             query,
             kv_layer,
-            meta.block_tables.contiguous(),
+            meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
             meta.max_seq_len,
             scale,
-            out,
         )
         self._attend_prefills(out, query, kv_layer, meta, scale)
         return out
@@ -240,9 +220,6 @@ class TritonAttentionBackend:
         import kernels  # imported lazily: CPU-only users never need triton
 
         self._k = kernels
-
-    def write_kv(self, key, value, kv_layer, meta) -> None:
-        self._k.reshape_and_cache(key, value, kv_layer, meta.slot_mapping)
 
     def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
         if meta.max_query_len == 1:

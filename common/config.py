@@ -77,6 +77,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class RunnerConfig:
+    """What the model runner needs; the engine derives it from ``EngineConfig``."""
+
+    device: str = "auto"
+    dtype: DTypeName = "auto"
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_n: int = 16
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    max_seq_len_to_capture: int = 8192
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine instance needs; components receive only their own part."""
 
@@ -91,6 +108,14 @@ class EngineConfig:
     # CPU only: torch intra-op threads of this process (None: torch's default, all cores).
     # Tiny models on few cores run faster on one thread; a node given one core wants 1.
     cpu_threads: int | None = None
+    # CUDA: no decode graphs (vLLM's name); graph batch sizes (default 1, 2, 4, 8, 16, 24, …)
+    # and the longest context a graph serves (longer decode steps run eagerly)
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    max_seq_len_to_capture: int = 8192
+    # schedule step N+1 while step N runs (None: on for CUDA, off for CPU, where the device
+    # is the host and nothing would overlap); tokens are identical either way
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -101,6 +126,27 @@ class EngineConfig:
             raise ValueError(f"kv_role must be producer, consumer or both, got {self.kv_role!r}")
         if self.kv_role is not None and self.kv_store is None:
             raise ValueError("kv_role needs kv_store (redis://… or file:///…)")
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError("max_seq_len_to_capture must be >= 1")
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+        if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
+
+    def runner_config(self) -> RunnerConfig:
+        return RunnerConfig(
+            device=self.device,
+            dtype=self.model.dtype,
+            attention_backend=self.attention_backend,
+            load_format=self.model.load_format,
+            seed=self.model.seed,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_n=self.scheduler.max_n,
+            enforce_eager=self.enforce_eager,
+            cuda_graph_sizes=self.cuda_graph_sizes,
+            max_seq_len_to_capture=self.max_seq_len_to_capture,
+        )
 
     @staticmethod
     def from_kwargs(**kwargs: Any) -> EngineConfig:

@@ -2,6 +2,19 @@
 
 One ``EngineCore`` runs in one process (the offline ``LLM``, or a node's engine-core process).
 It works in token ids only; text belongs to the caller (``LLM``'s output processor, the router).
+
+NOTE: the overlapped loop (``async_scheduling``, on by default on CUDA). The host schedules and
+prepares step N+1 and launches it while the device still runs step N, and only then waits for
+step N's tokens and turns them into outputs:
+
+```
+host    | sched N+1 | prep+launch N+1 | wait N, update N | sched N+2 | prep+launch N+2 | wait N+1 …
+device  | ········ step N ········ | ·········· step N+1 ·········· | ········ step N+2 …
+```
+
+So the host's work hides behind the device's instead of adding to it. ``step()`` then returns the
+outputs of the previous step. Tokens are those of the serial loop (see the scheduler's NOTE for
+what is scheduled ahead and what waits).
 """
 
 from __future__ import annotations
@@ -17,12 +30,12 @@ import torch
 
 from common.config import EngineConfig
 from common.kv_cache_manager import KVCacheManager, cdiv
-from common.model_runner import ModelRunner
+from common.model_runner import ModelRunner, StepResult
 from common.models.loader import read_hf_config
 from common.models.tiny import resolve_model_path
 from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams, child_seed
-from common.scheduler import EngineCoreOutput, Scheduler
+from common.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +55,9 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model_dir,
             self.hf_config,
-            dtype=config.model.dtype,
-            device=config.device,
-            attention_backend=config.attention_backend,
+            config=config.runner_config(),
             cache_config=config.cache,
             max_model_len=self.max_model_len,
-            load_format=config.model.load_format,
-            seed=config.model.seed,
         )
         self.block_size = config.cache.block_size
         self._check_cache_fits()
@@ -65,6 +74,9 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self._seeds = random.Random(config.model.seed)
+        overlap = config.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: tuple[SchedulerOutput, StepResult | None] | None = None
 
     # -- set-up ------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -180,8 +192,9 @@ class EngineCore:
                 f"prompt of {total} tokens leaves no room to generate: max_model_len is"
                 f" {self.max_model_len}"
             )
-        if params.n > self.config.scheduler.max_n:
-            raise ValueError(f"n={params.n} is over its cap of {self.config.scheduler.max_n}")
+        cap = min(self.config.scheduler.max_n, self.config.scheduler.max_num_seqs)
+        if params.n > cap:
+            raise ValueError(f"n={params.n} is over its cap of {cap} (max_n, max_num_seqs)")
         if outputs and params.n > 1:
             raise ValueError("resuming a request (output_token_ids) needs n == 1")
 
@@ -197,16 +210,37 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """One turn of the loop. Serial: schedule, run, return this step's outputs. Overlapped:
+        schedule and launch this step, then return the outputs of the one before it."""
         if self.connector is not None:
             self._poll_connector()
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self.scheduler.must_sync(self._in_flight[0]):
+            outputs = self._finish_in_flight()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             if sched_out.connector_meta is not None:
                 self.runner.start_loads(sched_out.connector_meta)
-            if self.scheduler.loading:
+            outputs += self._finish_in_flight()
+            if not outputs and self.scheduler.loading:
                 time.sleep(0.0005)  # only remote loads in flight: don't spin a core
+            return outputs
+        result = self.runner.execute(sched_out)
+        if not self.async_scheduling:
+            return self._update(sched_out, result)
+        outputs += self._finish_in_flight()
+        self._in_flight = (sched_out, result)
+        return outputs
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        if self._in_flight is None:
             return []
-        sampled = self.runner.execute(sched_out)
+        sched_out, result = self._in_flight
+        self._in_flight = None
+        return self._update(sched_out, result)
+
+    def _update(self, sched_out: SchedulerOutput, result: StepResult | None):
+        sampled = result.tokens() if result is not None else {}
         return self.scheduler.update_from_output(sched_out, sampled)
 
     def _poll_connector(self) -> None:
@@ -221,6 +255,7 @@ class EngineCore:
             self.connector = None
 
     def has_unfinished(self) -> bool:
+        """Requests not yet finished (a step in flight only holds tokens for them)."""
         return self.scheduler.has_unfinished()
 
     def check_integrity(self) -> None:

@@ -13,8 +13,8 @@ Step by step:
 3. ``build_connector_meta`` packs this step's loads and saves; the runner binds it, calls
    ``start_load_kv`` before the forward pass, ``wait_for_layer_load`` / ``save_kv_layer`` around
    each layer's attention and ``wait_for_save`` after the pass.
-4. ``get_finished`` reports finished loads; ``get_failed_blocks`` the blocks that could not be
-   loaded (missing, evicted, corrupt, unreachable): the scheduler recomputes from the first one.
+4. ``get_finished`` reports finished loads and saves; ``get_failed_blocks`` the blocks that
+   could not be loaded (missing, evicted, corrupt, unreachable): the scheduler recomputes from the first one.
    The store connector reports both before any compute uses the blocks, and its next forward
    pass moves the landed blocks into the paged cache layer by layer (``wait_for_layer_load``).
 5. ``request_finished`` returns the request's KV handle (what a decode node needs to load it).
@@ -56,12 +56,17 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Blocks of one request to write to the store after this step's forward pass."""
+    """Blocks of one request to write to the store after this step's forward pass.
+
+    ``final``: the request's prompt completes this step (it samples its first token now), so
+    ``wait_for_save`` returns only when every entry of its prompt is durable. Saves of earlier
+    prompt chunks keep going in the background while later chunks compute."""
 
     request_id: str
     keys: list[str]
     block_ids: list[int]
     num_tokens: list[int]
+    final: bool = False
 
 
 @dataclass
@@ -117,9 +122,14 @@ class KVConnectorWorker(ABC):
     def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None: ...
 
     @abstractmethod
+    def layer_work_pending(self) -> bool:
+        """Whether this step's forward pass must call the per-layer hooks (blocks to land or
+        to save); a step without such work may run as a captured graph."""
+
+    @abstractmethod
     def wait_for_save(self) -> None:
-        """Return only when every block of this step's saves is durable in the store (or failed
-        for good, which only costs a later recompute)."""
+        """Return only when every block of the prompts completing this step (``SaveSpec.final``)
+        is durable in the store (or failed for good, which only costs a later recompute)."""
 
     @abstractmethod
     def get_finished(self, request_ids: set[str]) -> tuple[set[str], set[str]]:

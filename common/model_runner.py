@@ -1,9 +1,13 @@
 """The model runner: the only component that builds tensors.
 
-Per step it turns the scheduler's plan into one flat batch (token ids, positions, slot mapping,
-block tables, query/sequence lengths), runs the model once over every scheduled token of every
-request (prefill chunks and decodes mixed), computes logits only for rows that need a next token
-and samples them in one batched call.
+Per step it writes the scheduler's plan into persistent input buffers (``common/step_inputs.py``),
+runs the model once over every scheduled token of every request (prefill chunks and decodes
+mixed) — or replays a captured CUDA graph for a pure-decode step (``common/cuda_graphs.py``) —
+computes logits only for rows that need a next token and samples them in one batched call.
+
+Nothing between the input copy and the sampled ids waits for the device: the step's one sync is
+``StepResult.tokens()``, which the engine calls after it has already launched the next step when
+it schedules ahead.
 """
 
 from __future__ import annotations
@@ -13,18 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from common.attention import AttentionMetadata, LayerHooks, get_attention_backend
-from common.config import CacheConfig
+from common.attention import LayerHooks, get_attention_backend
+from common.config import CacheConfig, RunnerConfig
+from common.cuda_graphs import DecodeGraphs
 from common.host_memory import keep_freed_host_memory, zeros_on_huge_pages
 from common.kv_connector import ConnectorHooks, ConnectorMetadata, KVConnectorWorker
 from common.models.llama import LlamaForCausalLM
 from common.models.loader import build_model, resolve_dtype
 from common.request import TokenLogprobs
-from common.sampler import Sampler, SamplerOutput, SampleRow
+from common.sampler import Sampler, SamplerOutput, SampleRow, to_device
 from common.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
+from common.step_inputs import BatchLimits, InputBuffers, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,27 +58,58 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class StepResult:
+    """The sampled tokens of one step. On CUDA their copy to pinned host memory starts at once;
+    ``tokens()`` is the step's single wait for the device."""
+
+    def __init__(self, sampled: SamplerOutput, rows: list[SampleRow], owners: list[str]):
+        self.rows, self.owners = rows, owners
+        tensors = [t for t in sampled if t is not None]
+        self._event: torch.cuda.Event | None = None
+        if tensors and tensors[0].device.type == "cuda":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        it = iter(tensors)
+        self._host = SamplerOutput(*(next(it) if t is not None else None for t in sampled))
+
+    def tokens(self) -> dict[str, SampledTokens]:
+        if self._event is not None:
+            self._event.synchronize()
+        result = self._host
+        token_ids = result.token_ids.tolist()
+        lps = _to_token_logprobs(result, token_ids, self.rows)
+        out: dict[str, SampledTokens] = {}
+        for i, owner in enumerate(self.owners):
+            entry = out.setdefault(owner, SampledTokens([], [] if lps is not None else None))
+            entry.token_ids.append(token_ids[i])
+            if lps is not None and entry.logprobs is not None:
+                entry.logprobs.append(lps[i])
+        return out
+
+
+NO_TOKENS = None  # a step that sampled nothing returns no StepResult
+
+
 class ModelRunner:
-    """Owns the model, the KV cache tensor and the sampler of one engine."""
+    """Owns the model, the KV cache tensor, the input buffers, the decode graphs and the sampler
+    of one engine."""
 
     def __init__(
         self,
         model_dir: Path,
         hf_config: dict[str, Any],
         *,
-        dtype: str,
-        device: str,
-        attention_backend: str,
+        config: RunnerConfig,
         cache_config: CacheConfig,
         max_model_len: int,
-        load_format: str = "auto",
-        seed: int = 0,
     ) -> None:
-        self.device = resolve_device(device)
+        self.config = config
+        self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # process-wide; see common/host_memory.py
-        self.dtype = resolve_dtype(dtype, hf_config)
-        self.backend = get_attention_backend(attention_backend, self.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
         self.model: LlamaForCausalLM = build_model(
             model_dir,
             hf_config,
@@ -81,15 +117,31 @@ class ModelRunner:
             self.device,
             self.backend,
             max_model_len,
-            load_format,
-            seed,
+            config.load_format,
+            config.seed,
         )
         a = self.model.args
         self.vocab_size = a.vocab_size
         self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
         self.spec = KVCacheSpec(
             a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype
         )
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        self.inputs = InputBuffers(
+            BatchLimits(
+                max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                max_seqs=config.max_num_seqs,
+                max_samples=config.max_num_seqs,  # n samples take n seats
+                max_blocks_per_seq=blocks_per_seq,
+            ),
+            self.block_size,
+            self.device,
+        )
+        self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs.for_runner(self, capture=True)
         self.num_blocks = self._num_blocks(cache_config)
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): see ARCHITECTURE.md
         shape = (a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
@@ -97,9 +149,15 @@ class ModelRunner:
             self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.sampler = Sampler()
+        self.kv_layers = list(self.kv_cache.unbind(0))  # per-layer views, made once
+        if self.graphs is not None:
+            self.graphs.capture_all(self.kv_layers)
         self.connector: KVConnectorWorker | None = None
         self.hooks: LayerHooks | None = None
+        # the last step's sampled ids (device) and each request's row in them: a token still
+        # in flight is read from here by the next step (see common/step_inputs.py)
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     def set_connector(self, connector: KVConnectorWorker) -> None:
         self.connector = connector
@@ -111,41 +169,54 @@ class ModelRunner:
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * cfg.gpu_memory_utilization - 2 * 2**30  # room for activations
+            from common.memory_profile import cuda_kv_budget
+
+            budget = cuda_kv_budget(self, cfg.gpu_memory_utilization)
         else:
             budget = _CPU_DEFAULT_KV_GB * 2**30
         return max(1, int(budget // self.spec.bytes_per_block))
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledTokens]:
+    def execute(self, out: SchedulerOutput) -> StepResult | None:
+        """Launch one step. Returns its sampled tokens (still on their way) or None."""
         self._copy_blocks(out.block_copies)
-        input_ids, positions, meta, logits_rows = self._prepare(out.scheduled)
-        if self.connector is None:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        else:
-            hidden = self._forward_with_connector(input_ids, positions, meta, out)
-        if not logits_rows:
-            return {}
-        logits = self.model.compute_logits(hidden[logits_rows])
+        hidden, inputs = self._forward(out)
+        if not inputs.num_logits_rows:
+            return NO_TOKENS
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         rows, owners = self._sample_rows(out.scheduled)
-        counts = [s.num_samples for s in out.scheduled if s.num_samples]
-        if len(rows) != len(counts):  # a request forking into n samples: n rows of its logits
-            logits = logits.repeat_interleave(torch.tensor(counts, device=self.device), dim=0)
-        return self._collect(self.sampler.sample(logits, rows), rows, owners)
+        sampled = self.sampler.sample(logits, rows)
+        self._remember(sampled.token_ids, owners)
+        return StepResult(sampled, rows, owners)
 
-    def _forward_with_connector(self, input_ids, positions, meta, out: SchedulerOutput):
-        assert self.connector is not None and isinstance(out.connector_meta, ConnectorMetadata)
-        self.connector.bind_connector_metadata(out.connector_meta)
-        self.connector.start_load_kv(self.kv_cache)
-        meta.hooks = self.hooks
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        connector = self.connector
+        if connector is not None:
+            assert isinstance(out.connector_meta, ConnectorMetadata)
+            connector.bind_connector_metadata(out.connector_meta)
+            connector.start_load_kv(self.kv_cache)
         try:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
-            self.connector.wait_for_save()
+            hooked = connector is not None and connector.layer_work_pending()
+            size = None if hooked or self.graphs is None else self.graphs.size_for(out.scheduled)
+            stride = self.graphs.row_stride if size is not None else None  # type: ignore[union-attr]
+            inputs = self.inputs.prepare(
+                out.scheduled, self._prev_rows, padded_seqs=size, row_stride=stride
+            )
+            if inputs.num_fill:
+                assert self._prev_sampled is not None
+                self.inputs.fill_from(inputs, self._prev_sampled)
+            if size is not None:
+                hidden = self.graphs.replay(size, inputs)  # type: ignore[union-attr]
+            else:
+                inputs.meta.hooks = self.hooks if hooked else None
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
+            if connector is not None:
+                connector.wait_for_save()
         finally:
-            self.connector.clear_connector_metadata()
-        return hidden
+            if connector is not None:
+                connector.clear_connector_metadata()
+        return hidden, inputs
 
     def start_loads(self, meta: ConnectorMetadata) -> None:
         """A step with nothing to compute may still have remote loads to start."""
@@ -156,56 +227,31 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            src = torch.tensor([s for s, _ in copies], device=self.device)
-            dst = torch.tensor([d for _, d in copies], device=self.device)
+            src = to_device([s for s, _ in copies], torch.int64, self.device)
+            dst = to_device([d for _, d in copies], torch.int64, self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def _prepare(self, scheduled: list[ScheduledRequest]):
-        """Flat inputs for the batch. Vectorised per request with numpy; no per-token Python."""
-        bs = self.block_size
-        starts = np.array([s.request.num_computed_tokens for s in scheduled], dtype=np.int64)
-        q_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        seq_lens = starts + q_lens
-        positions = np.concatenate([np.arange(a, b) for a, b in zip(starts, seq_lens)])
-        tokens = np.concatenate(
-            [s.request.all_token_ids[a:b] for s, a, b in zip(scheduled, starts, seq_lens)]
-        )
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            tables[i, : len(s.block_ids)] = s.block_ids
-        owner = np.repeat(np.arange(len(scheduled)), q_lens)
-        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
-        qsl = np.zeros(len(scheduled) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qsl[1:])
-        logits_rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) if s.num_samples]
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_lens=q_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        input_ids = torch.from_numpy(tokens.astype(np.int64)).to(dev)
-        return input_ids, torch.from_numpy(positions).to(dev), meta, logits_rows
+    def _remember(self, token_ids: torch.Tensor, owners: list[str]) -> None:
+        rows: dict[str, int] = {}
+        for i, owner in enumerate(owners):
+            rows.setdefault(owner, i)
+        self._prev_sampled, self._prev_rows = token_ids, rows
 
     def _sample_rows(self, scheduled: list[ScheduledRequest]):
-        """One row per sample; a request forking into ``n`` samples gets ``n`` rows."""
+        """One row per sample; a request forking into ``n`` samples gets ``n`` rows. A row's
+        position counts the outputs still in flight before it (its own is the last one)."""
         rows: list[SampleRow] = []
         owners: list[str] = []
         for s in scheduled:
             r = s.request
+            position = r.num_output_tokens + r.num_output_placeholders - 1
             for i in range(s.num_samples):
                 seed = r.seed if i == 0 else r.child_seeds[i - 1]
                 rows.append(
                     SampleRow(
                         r.sampling_params,
                         seed,
-                        r.num_output_tokens,
+                        position,
                         r.prompt_token_ids,
                         r.output_token_ids,
                         r.eos_token_id,
@@ -213,19 +259,6 @@ class ModelRunner:
                 )
                 owners.append(r.request_id)
         return rows, owners
-
-    def _collect(
-        self, result: SamplerOutput, rows: list[SampleRow], owners: list[str]
-    ) -> dict[str, SampledTokens]:
-        token_ids = result.token_ids.tolist()
-        lps = _to_token_logprobs(result, token_ids, rows)
-        out: dict[str, SampledTokens] = {}
-        for i, owner in enumerate(owners):
-            entry = out.setdefault(owner, SampledTokens([], [] if lps is not None else None))
-            entry.token_ids.append(token_ids[i])
-            if lps is not None and entry.logprobs is not None:
-                entry.logprobs.append(lps[i])
-        return out
 
 
 def _to_token_logprobs(

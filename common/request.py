@@ -58,8 +58,8 @@ class TokenLogprobs:
 class Request:
     """Token state of one sequence. Owned by the scheduler; blocks live in the KV cache manager.
 
-    ``num_computed_tokens`` counts tokens whose KV is in the cache (or scheduled to be written
-    this step, between ``schedule`` and ``update_from_output``).
+    ``num_computed_tokens`` counts tokens whose KV is in the cache or written by a step already
+    scheduled (``schedule`` advances it).
     """
 
     def __init__(
@@ -91,6 +91,8 @@ class Request:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.output_logprobs: list[TokenLogprobs] = []
         self.num_computed_tokens = 0
+        # sampled by a step still in flight, id not known yet (see common/scheduler.py)
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -58,64 +58,99 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
 
 
 class Sampler:
-    """``sample(logits (B, V) fp32, rows) -> SamplerOutput``. Does not modify ``logits``' owner."""
+    """``sample(logits (B, V) fp32, rows) -> SamplerOutput``. Never modifies ``logits``.
+
+    Nothing here waits for the device: per-row parameters travel as host lists and reach the
+    device through pinned, non-blocking copies (``to_device``), and every choice that depends on
+    them (which rows are random, whether any row has min-p) is made from the host lists.
+    """
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        device = logits.device
         raw = logits
-        logits = self._mask_min_tokens(logits.clone(), rows)
+        logits = _mask_min_tokens(logits, rows)
         if any(r.params.needs_penalties for r in rows):
             logits = _apply_penalties(logits, rows)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, device=device)
-            token_ids[idx] = _sample_random(logits[idx], [rows[i] for i in random_rows])
+            picked = [rows[i] for i in random_rows]
+            if len(random_rows) == len(rows):
+                token_ids = _sample_random(logits, picked)
+            else:
+                idx = to_device(random_rows, torch.int64, logits.device)
+                token_ids[idx] = _sample_random(logits.index_select(0, idx), picked)
         return _logprobs(raw, token_ids, rows)
 
-    @staticmethod
-    def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Below ``min_tokens``, EOS and the stop token ids cannot be drawn."""
-        for i, r in enumerate(rows):
-            if r.position < r.params.min_tokens:
-                banned = list(r.params.stop_token_ids)
-                if r.eos_token_id is not None and not r.params.ignore_eos:
-                    banned.append(r.eos_token_id)
-                if banned:
-                    logits[i, banned] = float("-inf")
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on ``device`` without a host sync (pinned, non-blocking copy).
+
+    The pinned block is recycled by torch's caching host allocator only after the copy ran."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Below ``min_tokens``, EOS and the stop token ids cannot be drawn (on a copy)."""
+    hit_rows: list[int] = []
+    hit_ids: list[int] = []
+    for i, r in enumerate(rows):
+        if r.position < r.params.min_tokens:
+            banned = list(r.params.stop_token_ids)
+            if r.eos_token_id is not None and not r.params.ignore_eos:
+                banned.append(r.eos_token_id)
+            hit_rows += [i] * len(banned)
+            hit_ids += banned
+    if not hit_rows:
         return logits
+    logits = logits.clone()
+    dev = logits.device
+    index = (to_device(hit_rows, torch.int64, dev), to_device(hit_ids, torch.int64, dev))
+    logits.index_put_(index, torch.tensor(float("-inf"), device=dev))
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Repetition (prompt + output, HF/vLLM semantics), presence and frequency (output only)."""
     B, V = logits.shape
     dev = logits.device
-    counts = torch.zeros(B, V, device=dev)
-    seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-    for i, r in enumerate(rows):
-        if r.output_token_ids:
-            out = torch.tensor(r.output_token_ids, device=dev)
-            counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-        if r.prompt_token_ids:
-            seen[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
-    seen |= counts > 0
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+    out_rows = [i for i, r in enumerate(rows) for _ in r.output_token_ids]
+    out_ids = [t for r in rows for t in r.output_token_ids]
+    counts = torch.zeros(B * V, device=dev)
+    if out_ids:
+        flat = to_device(out_rows, torch.int64, dev) * V + to_device(out_ids, torch.int64, dev)
+        counts.index_add_(0, flat, torch.ones(len(out_ids), device=dev))
+    counts = counts.view(B, V)
+    seen = counts > 0
+    prompt_rows = [i for i, r in enumerate(rows) for _ in r.prompt_token_ids]
+    prompt_ids = [t for r in rows for t in r.prompt_token_ids]
+    if prompt_ids:
+        index = (to_device(prompt_rows, torch.int64, dev), to_device(prompt_ids, torch.int64, dev))
+        seen.index_put_(index, torch.tensor(True, device=dev))
+    rep = _column([r.params.repetition_penalty for r in rows], dev)
+    pres = _column([r.params.presence_penalty for r in rows], dev)
+    freq = _column([r.params.frequency_penalty for r in rows], dev)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalised, logits)
     return logits - freq * counts - pres * (counts > 0).float()
 
 
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return to_device(values, torch.float32, device)[:, None]
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     dev = logits.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
+    temp = _column([r.params.temperature for r in rows], dev)
     probs = torch.softmax(_top_k_top_p(logits / temp, rows), dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)[:, None]
-    if bool((min_p > 0).any()):
+    min_ps = [r.params.min_p for r in rows]
+    if any(p > 0 for p in min_ps):
+        min_p = _column(min_ps, dev)
         probs = torch.where(probs < min_p * probs.amax(-1, keepdim=True), 0.0, probs)
-    seeds = torch.tensor([r.seed for r in rows], dtype=torch.int64, device=dev)
-    positions = torch.tensor([r.position for r in rows], dtype=torch.int64, device=dev)
+    seeds = to_device([r.seed for r in rows], torch.int64, dev)
+    positions = to_device([r.position for r in rows], torch.int64, dev)
     noise = exponential_noise(seeds, positions, logits.shape[-1])
     return (probs / noise).argmax(dim=-1)
 
@@ -129,10 +164,10 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=dev)[None, :]
-    drop = rank >= torch.tensor(top_k, device=dev)[:, None]
+    drop = rank >= to_device(top_k, torch.int64, dev)[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-    drop |= before >= torch.tensor(top_p, device=dev)[:, None]
+    drop |= before >= _column(top_p, dev)
     drop[:, 0] = False  # the best token always survives
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

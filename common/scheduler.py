@@ -12,6 +12,15 @@ When a running request cannot get a block, the lowest-priority running request (
 FCFS) is preempted: its blocks are freed and it goes back to waiting, to be recomputed later (its
 prefix is likely still cached). A request alone always fits, because the engine checks at start-up
 that the cache holds ``max_model_len`` tokens; so this never deadlocks.
+
+NOTE: scheduling ahead (the engine's overlapped loop). ``schedule()`` counts a step's tokens as
+computed when it hands them out, and a token the step will sample as an *output placeholder*
+until ``update_from_output`` learns its id. So step N+1 can be scheduled while step N still runs:
+a decoding request whose next token is still on the device simply gets one more token (the model
+runner takes its id from step N's sampled tensor). What cannot be known ahead stays exact: a
+request that stops at step N has its step N+1 row dropped (the runner computed one token for
+nobody), one at ``max_tokens`` is not scheduled ahead, and ``must_sync`` tells the engine when a
+request's next step needs its previous token on the host (penalties, a pending fork into ``n``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ class ScheduledRequest:
     num_new_tokens: int
     num_samples: int
     block_ids: list[int]  # the request's whole block table after this step's allocation
+    num_computed_tokens: int  # tokens in the cache before this step: where its tokens start
 
 
 @dataclass
@@ -163,19 +173,35 @@ class Scheduler:
         out.block_copies = self.kv.take_block_copies()
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta(out)
+        for item in out.scheduled:  # their KV is written by this step's forward pass
+            item.request.num_computed_tokens += item.num_new_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_schedulable(request), budget)
+            if num_new <= 0:  # waits for its output in flight, or stops there
+                index += 1
+                continue
             if not self._allocate_or_preempt(request, index, num_new, out):
                 continue  # ``request`` itself was preempted; ``running`` shrank
             self._add_scheduled(out, request, num_new)
             budget -= num_new
             index += 1
         return budget
+
+    def _num_schedulable(self, request: Request) -> int:
+        """Tokens a running request can compute now: its known tokens plus the ones still in
+        flight, but nothing past the step that may end it (``max_tokens``, ``max_model_len``)."""
+        pending = request.num_output_placeholders
+        if pending and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        ):
+            return 0
+        return request.num_tokens + pending - request.num_computed_tokens
 
     def _allocate_or_preempt(
         self, request: Request, index: int, num_new: int, out: SchedulerOutput
@@ -204,10 +230,13 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0:
             request = self.waiting.peek()
-            if request is None:
-                return
+            if request is None or request.num_output_placeholders:
+                return  # (a request preempted with a token in flight waits for it)
+            seats = 1 + len(self._fork_children.get(request.request_id, ()))
+            if self._seats_taken() + seats > self.config.max_num_seqs:
+                return  # its n samples will all run: ``max_num_seqs`` bounds every step
             # A request back from a remote load already holds blocks and computed tokens.
             resumed = request.request_id in self.kv.req_to_blocks
             hit = NO_HIT if resumed else self.kv.find_computed_blocks(request)
@@ -230,6 +259,15 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
+
+    def _seats_taken(self) -> int:
+        """Running requests, plus the samples running parents will fork into."""
+        forks = sum(
+            len(kids)
+            for parent_id, kids in self._fork_children.items()
+            if self.requests[parent_id].status == RequestStatus.RUNNING
+        )
+        return len(self.running) + forks
 
     def _start_remote_load(self, request: Request, hit: ComputedBlocks) -> bool:
         """Ask the connector for more of the prompt; park the request while it loads.
@@ -289,12 +327,14 @@ class Scheduler:
         return ended
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        done = request.num_computed_tokens + num_new >= request.num_tokens
+        start = request.num_computed_tokens
+        done = start + num_new >= request.num_tokens + request.num_output_placeholders
         num_samples = 0
         if done:
             num_samples = 1 + len(self._fork_children.get(request.request_id, ()))
+            request.num_output_placeholders += 1
         block_ids = self.kv.get_block_ids(request.request_id)
-        out.scheduled.append(ScheduledRequest(request, num_new, num_samples, block_ids))
+        out.scheduled.append(ScheduledRequest(request, num_new, num_samples, block_ids, start))
         # Blocks become shareable as soon as their tokens are scheduled: KV is written before
         # attention reads it in every layer, so a same-step hit reads valid data.
         self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
@@ -306,8 +346,10 @@ class Scheduler:
         results: list[EngineCoreOutput] = []
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            if item.num_samples == 0 or request.is_finished:
+            if item.num_samples == 0:
+                continue
+            request.num_output_placeholders -= 1
+            if request.is_finished:  # ended while this step ran: its token is for nobody
                 continue
             tokens = sampled[request.request_id]
             results.append(self._accept_token(request, tokens.token_ids[0], tokens, 0))
@@ -316,6 +358,19 @@ class Scheduler:
                 result.parent_id = request.request_id
                 results.append(result)
         return results
+
+    def must_sync(self, out: SchedulerOutput) -> bool:
+        """Whether the step ``out`` must be finished (its tokens known on the host) before the
+        next one is scheduled: a request sampling in it has penalties (they count its output
+        tokens) or forks into its ``n`` samples when it ends."""
+        return any(
+            item.num_samples
+            and (
+                item.request.sampling_params.needs_penalties
+                or item.request.request_id in self._fork_children
+            )
+            for item in out.scheduled
+        )
 
     def _fork(self, parent: Request) -> list[Request]:
         children = self._fork_children.pop(parent.request_id, [])

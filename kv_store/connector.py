@@ -23,9 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import queue
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,14 +43,19 @@ from common.kv_connector import (
 )
 from common.model_runner import KVCacheSpec
 from common.request import Request
+from common.sampler import to_device
 from common.scheduler import SchedulerOutput
+from kernels.block_copy import gather_blocks, scatter_blocks
 from kv_store.base import KVStore
 from kv_store.entry import make_key
+from kv_store.staging import StagingRing, entry_chunks, layer_major
 from kv_store.url import open_store
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "both")
+STAGING_SLOTS = 4  # per direction
+STAGING_SLOT_BYTES = 64 * 2**20  # rounded down to whole entries (at least one)
 
 
 def kv_fingerprint(model_dir: Path, spec: KVCacheSpec) -> str:
@@ -158,6 +165,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             [k for k, _ in chosen],
             block_ids[start:ready],
             [n for _, n in chosen],
+            final=done == request.num_prompt_tokens,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]):
@@ -174,152 +182,312 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         return False, handle  # blocks are copied out during the step: nothing to hold
 
 
+class _SaveGroup(NamedTuple):
+    """Up to one staging slot of a step's saves: entry ``i`` is block ``block_ids[i]``."""
+
+    keys: list[str]
+    num_tokens: list[int]
+    request_ids: list[str]
+    block_ids: torch.Tensor  # (n,) int64 on the cache's device
+    slot: torch.Tensor  # the staging slot it fills
+    staged: torch.Tensor  # (L, n, 2, bs, Hkv, D) view of the slot
+
+
+class _Fetched(NamedTuple):
+    """One fetched staging slot of a load: ``ok[i]`` says whether entry ``i`` arrived intact."""
+
+    request_id: str
+    block_ids: list[int]
+    ok: list[bool]
+    slot: torch.Tensor
+    staged: torch.Tensor
+    last: bool  # the request's last group
+
+
 class StoreConnectorWorker(KVConnectorWorker):
-    def __init__(self, store: KVStore, spec: KVCacheSpec, device: torch.device) -> None:
+    """The byte-moving half. Threads: the engine thread (this object's methods), one writer and
+    one reader that drive the store (which spreads a batch over its own I/O workers). Staging
+    slots move between them; every device copy runs on a side stream (CUDA) ordered by events,
+    so the compute stream never waits for the host."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        spec: KVCacheSpec,
+        device: torch.device,
+        *,
+        staging_slots: int = STAGING_SLOTS,
+        slot_bytes: int = STAGING_SLOT_BYTES,
+    ) -> None:
         self.store, self.spec, self.device = store, spec, device
+        self.on_cuda = device.type == "cuda"
+        self.per_slot = max(1, slot_bytes // spec.bytes_per_block)
+        slot_bytes = self.per_slot * spec.bytes_per_block
+        self.save_ring = StagingRing(staging_slots, slot_bytes, pin=self.on_cuda)
+        self.load_ring = StagingRing(staging_slots, slot_bytes, pin=self.on_cuda)
+        self._save_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self._load_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self._meta = ConnectorMetadata()
         self._kv_cache: torch.Tensor | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-writer")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-reader")
-        self._loading: dict[str, tuple[LoadSpec, Future]] = {}
-        self._failed: set[int] = set()
+        # save: this step's groups, and each request's writes not yet known durable
+        self._step_saves: list[_SaveGroup] = []
+        self._pending_saves: dict[str, list[Future]] = {}
         self._done_saving: set[str] = set()
-        # (request id, block ids, host buffer (n, L, 2, bs, Hkv, D)) fetched and verified,
-        # scattered layer by layer by the next forward pass
-        self._landed: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-        self._staging: torch.Tensor | None = None
-        self._save_ids: torch.Tensor | None = None
+        # load: fetched slots arrive on a queue from the reader; a request's last slot waits
+        # in ``_landing`` for the next forward pass, earlier ones land at once
+        self._fetched: queue.SimpleQueue[_Fetched] = queue.SimpleQueue()
+        self._loading: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._landing: list[_Fetched] = []
+        self._landing_events: list[torch.cuda.Event] = []
+        self._releasing: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        self._failed: set[int] = set()
         self.num_saved_blocks = self.num_loaded_blocks = self.num_failed_blocks = 0
 
     # -- per step ------------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
         self._meta = meta
-        ids = [b for s in meta.saves for b in s.block_ids]
-        self._save_ids = torch.tensor(ids, device=self.device) if ids else None
-        if ids:
-            shape = (
-                len(ids),
-                self.spec.num_layers,
-                2,
-                self.spec.block_size,
-                self.spec.num_kv_heads,
-                self.spec.head_dim,
+        entries = [
+            (s.request_id, key, block, n)
+            for s in meta.saves
+            for key, block, n in zip(s.keys, s.block_ids, s.num_tokens)
+        ]
+        for lo in range(0, len(entries), self.per_slot):
+            part = entries[lo : lo + self.per_slot]
+            slot = self.save_ring.acquire()  # waits while the store is behind: back-pressure
+            self._step_saves.append(
+                _SaveGroup(
+                    [key for _, key, _, _ in part],
+                    [n for _, _, _, n in part],
+                    [rid for rid, _, _, _ in part],
+                    to_device([b for _, _, b, _ in part], torch.int64, self.device),
+                    slot,
+                    layer_major(slot, len(part), self.spec),
+                )
             )
-            pin = self.device.type == "cuda"
-            self._staging = torch.empty(shape, dtype=self.spec.dtype, pin_memory=pin)
 
     def clear_connector_metadata(self) -> None:
         self._meta = ConnectorMetadata()
-        self._save_ids = None
+        for group in self._step_saves:  # bound but never saved (a failed forward pass)
+            self.save_ring.release(group.slot)
+        self._step_saves = []
+
+    def layer_work_pending(self) -> bool:
+        return bool(self._step_saves or self._landing)
+
+    # -- save path -----------------------------------------------------------------------------
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
+        """Copy this step's blocks of ``layer`` into staging: one gather, and on CUDA one DMA on
+        the save stream that runs while the next layers compute."""
+        for group in self._step_saves:
+            dst = group.staged[layer]  # (n, 2, bs, Hkv, D), contiguous
+            if self._save_stream is None:
+                torch.index_select(kv_layer, 1, group.block_ids, out=dst.transpose(0, 1))
+                continue
+            packed = gather_blocks(kv_layer.unsqueeze(0), group.block_ids)  # (n, 1, 2, …)
+            self._save_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._save_stream):
+                dst.copy_(packed.view_as(dst), non_blocking=True)
+            packed.record_stream(self._save_stream)
+
+    def wait_for_save(self) -> None:
+        """Hand the step's staged blocks to the writer; wait only for prompts that complete now."""
+        groups, self._step_saves = self._step_saves, []
+        for group in groups:
+            copied = None
+            if self._save_stream is not None:
+                copied = torch.cuda.Event()
+                copied.record(self._save_stream)
+            future = self._writer.submit(self._write, group, copied)
+            for request_id in dict.fromkeys(group.request_ids):
+                self._pending_saves.setdefault(request_id, []).append(future)
+        for spec in self._meta.saves:
+            if spec.final:
+                for future in self._pending_saves.pop(spec.request_id, []):
+                    future.result()
+                self._done_saving.add(spec.request_id)
+
+    def _write(self, group: _SaveGroup, copied: torch.cuda.Event | None) -> None:
+        """Writer thread: entries not in the store yet are put, one batch; never raises."""
+        try:
+            if copied is not None:
+                copied.synchronize()
+            present = self.store.contains_many(group.keys)
+            todo = [i for i, p in enumerate(present) if not p]
+            if todo:
+                chunks = entry_chunks(group.staged)
+                ok = self.store.put_many(
+                    [group.keys[i] for i in todo],
+                    [chunks[i] for i in todo],
+                    [group.num_tokens[i] for i in todo],
+                )
+                self.num_saved_blocks += sum(ok)
+                if not all(ok):
+                    logger.warning("%d of %d KV entries not saved", len(ok) - sum(ok), len(ok))
+        except Exception:  # a lost save only costs the consumer a recompute
+            logger.exception("KV save failed")
+        finally:
+            self.save_ring.release(group.slot)
 
     # -- load path -----------------------------------------------------------------------------
     def start_load_kv(self, kv_cache: torch.Tensor) -> None:
         """Start this step's fetches in the background (the request stays parked meanwhile)."""
         self._kv_cache = kv_cache
         for spec in self._meta.loads:
-            self._loading[spec.request_id] = (spec, self._reader.submit(self._fetch, spec))
+            self._loading.add(spec.request_id)
+            self._reader.submit(self._fetch, spec)
 
-    def _fetch(self, spec: LoadSpec) -> tuple[torch.Tensor, list[bool]]:
-        """Reader thread: entries → one host buffer ``(n, L, 2, bs, Hkv, D)``; never raises."""
-        buf = torch.empty((len(spec.keys), *self._entry_shape()), dtype=self.spec.dtype)
-        views = _entry_views(buf)
-        try:
-            ok = self.store.get_many_into(spec.keys, spec.num_tokens, views)
-        except Exception:  # a store bug must cost a recompute, never a wrong token
-            logger.exception("KV load failed for %s", spec.request_id)
-            ok = [False] * len(spec.keys)
-        return buf, ok
+    def _fetch(self, spec: LoadSpec) -> None:
+        """Reader thread: the entries, one staging slot at a time, onto the fetched queue.
+        Never raises: whatever did not arrive intact is a failed block."""
+        n = len(spec.keys)
+        for lo in range(0, n, self.per_slot):
+            hi = min(n, lo + self.per_slot)
+            slot = self.load_ring.acquire()
+            staged = layer_major(slot, hi - lo, self.spec)
+            try:
+                ok = self.store.get_many_into(
+                    spec.keys[lo:hi], spec.num_tokens[lo:hi], entry_chunks(staged)
+                )
+            except Exception:  # a store bug must cost a recompute, never a wrong token
+                logger.exception("KV load failed for %s", spec.request_id)
+                ok = [False] * (hi - lo)
+            ids = spec.block_ids[lo:hi]
+            self._fetched.put(_Fetched(spec.request_id, ids, ok, slot, staged, hi == n))
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Scatter layer ``layer`` of every landed load into the paged cache, just before that
-        layer's attention: layer 0 computes while later layers are still in host memory (on
-        CUDA the host→device copy of layer l+1 overlaps layer l's compute).
+        """Layer ``layer`` of every fetched load is in the paged cache before that layer's
+        attention: layer 0 computes while later layers are still on their way. On CUDA all
+        layers' copies are queued on the load stream at layer 0, and each layer's attention
+        waits for its own event only; on CPU each layer is copied here.
 
-        Landed blocks are fully scattered within the first forward pass after they land, and
+        Fetched blocks are scattered within the first forward pass after they arrived, and
         that pass is the first that can read them (a prefix hit on them included)."""
-        if self._kv_cache is None or not self._landed:
+        if not self._landing or self._kv_cache is None:
             return
-        for _, ids, src in self._landed:
-            self._kv_cache[layer, :, ids] = (
-                src[:, layer].to(self.device, non_blocking=True).transpose(0, 1)
-            )
+        if self._load_stream is None:
+            for item in self._landing:
+                self._scatter_layer(layer, item)
+        else:
+            if layer == 0:
+                self._landing_events = self._queue_landing(self._landing)
+            torch.cuda.current_stream(self.device).wait_event(self._landing_events[layer])
         if layer == self.spec.num_layers - 1:
-            self._landed = []
+            for item in self._landing:
+                self._release_after_copy(item.slot)
+            self._landing = []
+
+    def _scatter_layer(self, layer: int, item: _Fetched) -> None:
+        """CPU: one layer of a fetched slot into the cache (good entries only)."""
+        assert self._kv_cache is not None
+        good = [i for i, hit in enumerate(item.ok) if hit]
+        if not good:
+            return
+        src = item.staged[layer]
+        ids = torch.tensor([item.block_ids[i] for i in good])
+        if len(good) != len(item.ok):
+            src = src.index_select(0, torch.tensor(good))
+        self._kv_cache[layer].index_copy_(1, ids, src.transpose(0, 1))
+
+    def _queue_landing(self, items: list[_Fetched]) -> list[torch.cuda.Event]:
+        """CUDA: per layer, host→device copy of each slot's layer and one scatter into the
+        cache, on the load stream after the compute stream's work so far; an event per layer."""
+        assert self._kv_cache is not None and self._load_stream is not None
+        self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
+        plans = []
+        for item in items:
+            good = [i for i, hit in enumerate(item.ok) if hit]
+            ids = to_device([item.block_ids[i] for i in good], torch.int64, self.device)
+            sel = to_device(good, torch.int64, self.device) if len(good) < len(item.ok) else None
+            plans.append((item, ids, sel))
+        events = []
+        with torch.cuda.stream(self._load_stream):
+            for layer in range(self.spec.num_layers):
+                for item, ids, sel in plans:
+                    if ids.numel():
+                        dev = item.staged[layer].to(self.device, non_blocking=True)
+                        if sel is not None:
+                            dev = dev.index_select(0, sel)
+                        scatter_blocks(self._kv_cache[layer].unsqueeze(0), ids, dev.unsqueeze(1))
+                event = torch.cuda.Event()
+                event.record()
+                events.append(event)
+        return events
+
+    def _land_now(self, item: _Fetched) -> None:
+        """A fetched slot that is not its request's last: into the cache at once, all layers."""
+        if self._kv_cache is None:
+            self.load_ring.release(item.slot)
+            return
+        if self._load_stream is None:
+            for layer in range(self.spec.num_layers):
+                self._scatter_layer(layer, item)
+            self.load_ring.release(item.slot)
+        else:
+            self._queue_landing([item])
+            self._release_after_copy(item.slot)
+
+    def _release_after_copy(self, slot: torch.Tensor) -> None:
+        if self._load_stream is None:
+            self.load_ring.release(slot)
+            return
+        done = torch.cuda.Event()
+        done.record(self._load_stream)
+        self._releasing.append((done, slot))
 
     def get_finished(self, request_ids: set[str]) -> tuple[set[str], set[str]]:
         """``request_ids``: requests the scheduler ended since the last call (their loads are
         dropped, never scattered into blocks that may already be reused)."""
         for request_id in request_ids:
-            self._loading.pop(request_id, None)
-        self._landed = [entry for entry in self._landed if entry[0] not in request_ids]
-        done_loading = {rid for rid, (_, fut) in self._loading.items() if fut.done()}
-        for request_id in done_loading:
-            spec, fut = self._loading.pop(request_id)
-            self._land(spec, *fut.result())
+            self._pending_saves.pop(request_id, None)
+            if request_id in self._loading:
+                self._cancelled.add(request_id)
+        self._landing = [item for item in self._landing if item.request_id not in request_ids]
+        done_loading = self._drain_fetched()
+        self._releasing = [(e, s) for e, s in self._releasing if not self._release_if_done(e, s)]
         done_saving, self._done_saving = self._done_saving, set()
         return done_saving, done_loading
 
-    def _land(self, spec: LoadSpec, buf: torch.Tensor, ok: list[bool]) -> None:
-        """A verified fetch: failures are reported now, good blocks wait for the next forward."""
-        good = [i for i, hit in enumerate(ok) if hit]
-        self._failed.update(b for b, hit in zip(spec.block_ids, ok) if not hit)
-        self.num_loaded_blocks += len(good)
-        self.num_failed_blocks += len(ok) - len(good)
-        if good:
-            ids = torch.tensor([spec.block_ids[i] for i in good], device=self.device)
-            self._landed.append((spec.request_id, ids, buf[good]))
+    def _drain_fetched(self) -> set[str]:
+        done: set[str] = set()
+        while True:
+            try:
+                item = self._fetched.get_nowait()
+            except queue.Empty:
+                return done
+            if item.last:
+                self._loading.discard(item.request_id)
+            if item.request_id in self._cancelled:
+                self.load_ring.release(item.slot)
+                if item.last:
+                    self._cancelled.discard(item.request_id)
+                continue
+            good = sum(item.ok)
+            self._failed.update(b for b, hit in zip(item.block_ids, item.ok) if not hit)
+            self.num_loaded_blocks += good
+            self.num_failed_blocks += len(item.ok) - good
+            if item.last:
+                self._landing.append(item)
+                done.add(item.request_id)
+            else:
+                self._land_now(item)
+
+    def _release_if_done(self, event: torch.cuda.Event, slot: torch.Tensor) -> bool:
+        if not event.query():
+            return False
+        self.load_ring.release(slot)
+        return True
 
     def get_failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
-    # -- save path -----------------------------------------------------------------------------
-    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
-        if self._save_ids is None or self._staging is None:
-            return
-        # (2, n, bs, Hkv, D) → (n, 2, bs, Hkv, D): one batched gather per layer
-        blocks = kv_layer.index_select(1, self._save_ids).transpose(0, 1)
-        self._staging[:, layer].copy_(blocks, non_blocking=True)
-
-    def wait_for_save(self) -> None:
-        if self._save_ids is None or self._staging is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        saves, staging = self._meta.saves, self._staging
-        self._writer.submit(self._write, saves, staging).result()
-        self._done_saving.update(s.request_id for s in saves)
-
-    def _write(self, saves: list[SaveSpec], staging: torch.Tensor) -> None:
-        keys = [k for s in saves for k in s.keys]
-        tokens = [n for s in saves for n in s.num_tokens]
-        views = _entry_views(staging)
-        try:
-            present = self.store.contains_many(keys)
-            todo = [i for i, p in enumerate(present) if not p]
-            ok = self.store.put_many(
-                [keys[i] for i in todo], [views[i] for i in todo], [tokens[i] for i in todo]
-            )
-            self.num_saved_blocks += sum(ok)
-            if not all(ok):
-                logger.warning("%d of %d KV entries not saved", len(ok) - sum(ok), len(ok))
-        except Exception:  # a lost save only costs the consumer a recompute
-            logger.exception("KV save failed")
-
-    def _entry_shape(self) -> tuple[int, ...]:
-        s = self.spec
-        return (s.num_layers, 2, s.block_size, s.num_kv_heads, s.head_dim)
-
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self.store.close()
-
-
-def _entry_views(buf: torch.Tensor) -> list[memoryview]:
-    """One writable byte view per entry of a contiguous ``(n, ...)`` host buffer."""
-    raw = buf.view(torch.uint8).numpy().reshape(buf.shape[0], -1)
-    return [memoryview(raw[i]) for i in range(buf.shape[0])]
 
 
 def create_store_connector(
@@ -329,7 +497,8 @@ def create_store_connector(
     if role not in ROLES:
         raise ValueError(f"kv_role must be one of {ROLES}, got {role!r}")
     fingerprint = kv_fingerprint(model_dir, spec)
-    scheduler_store = open_store(url, fingerprint)
-    worker_store = open_store(url, fingerprint)  # each thread pair gets its own handle
+    size = spec.bytes_per_block  # every entry of a fingerprint has it (a shm arena's slot)
+    scheduler_store = open_store(url, fingerprint, payload_bytes=size)
+    worker_store = open_store(url, fingerprint, payload_bytes=size)  # a handle per side
     sched = StoreConnectorScheduler(scheduler_store, fingerprint, spec.block_size, role, url)
     return sched, StoreConnectorWorker(worker_store, spec, device)

@@ -30,6 +30,8 @@ ENGINE_OPTIONS = (
     "max_model_len",
     "cpu_threads",
     "kv_cache_memory_gb",
+    "enforce_eager",
+    "async_scheduling",
 )
 
 
@@ -59,6 +61,8 @@ class NodeOptions:
     max_model_len: int | None = None
     cpu_threads: int | None = None
     kv_cache_memory_gb: float | None = None
+    enforce_eager: bool | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.kv_store:
@@ -100,7 +104,7 @@ class NodeOptions:
 
 
 # (flag, converter, help); the option name is the flag without dashes, '-' → '_'
-_FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
+_FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--model", str, "built-in model name or HF directory (default tiny-llama)"),
     ("--kv-store", str, "KV store URL: redis://host:port/db or file:///dir (required)"),
     ("--host", str, "address to bind (default 127.0.0.1)"),
@@ -122,7 +126,19 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--max-model-len", int, "engine: longest prompt + output (default: the model's)"),
     ("--cpu-threads", int, "engine (CPU): torch threads of the engine process"),
     ("--kv-cache-memory-gb", float, "engine: KV cache size in GiB (default: from free memory)"),
+    ("--enforce-eager", "flag", "engine (CUDA): no decode CUDA graphs"),
+    ("--async-scheduling", "flag", "engine: schedule the next step while one runs (default: CUDA)"),
 ]
+
+
+def _truth(text: str) -> bool:
+    """A flag's value: ``--enforce-eager`` alone is true; ``true/false/1/0/yes/no`` spelled."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
 
 
 def _name(flag: str) -> str:
@@ -133,9 +149,13 @@ def add_node_arguments(parser: argparse.ArgumentParser, default_port: int) -> No
     """Add the flags every node takes. Defaults are applied later (so env can override)."""
     for flag, convert, text in _FLAGS:
         env = "PDSERVE_" + _name(flag).upper()
-        parser.add_argument(
-            flag, type=convert, default=None, help=f"{text} [{env}]".format(port=default_port)
-        )
+        help_text = f"{text} [{env}]".format(port=default_port)
+        if convert == "flag":
+            parser.add_argument(
+                flag, type=_truth, nargs="?", const=True, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(flag, type=convert, default=None, help=help_text)
 
 
 def options_from_args(
@@ -152,7 +172,7 @@ def options_from_args(
         given = getattr(args, name, None)
         if given is None and name in env:
             try:
-                given = convert(env[name])
+                given = (_truth if convert == "flag" else convert)(env[name])
             except ValueError as e:
                 raise ValueError(f"PDSERVE_{name.upper()}={env[name]!r}: {e}") from None
         if given is not None:

@@ -1,21 +1,32 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache.
 
-Plain single-device PyTorch. Projections are fused (q|k|v, gate|up) for fewer matmuls; the
-loader splits HF checkpoints into them. Numerics follow HF transformers step for step (fp32
-RMSNorm, rotate-half RoPE with cos/sin in the model dtype) so greedy outputs match token for token.
+Plain single-device PyTorch around a few fused ops (``kernels/ops.py``: Triton on CUDA, native
+C on CPU, one dispatched op each). A decoder layer is ten ops:
+
+    fused_add_rms_norm → qkv_proj → rotary_embedding_and_cache (q rotated; k, v into the cache)
+    → attention → o_proj → fused_add_rms_norm → gate_up_proj → silu_and_mul → down_proj
+
+Projections are fused (q|k|v, gate|up); the loader splits HF checkpoints into them. The residual
+stream travels beside the hidden states so its add happens inside the next norm. Numerics follow
+HF transformers step for step (fp32 inside RMSNorm, the model dtype between ops, the same
+rounding points in RoPE and SiLU), so greedy outputs match token for token; the model stays in
+its dtype, with no per-layer casts.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata
+from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
+
+_ops = torch.ops.pdserve
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -73,16 +84,17 @@ def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 class RMSNorm(nn.Module):
+    """``forward(x)`` → norm(x); ``forward(x, residual)`` → (norm(x + residual), x + residual)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()  # the variance in fp32, as HF does, whatever the model dtype
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return _ops.rms_norm(x, self.weight, self.eps)
+        return _ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -111,28 +123,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed ``(max_pos, head_dim)`` cos/sin table."""
+    """Rotate-half RoPE table ``cos_sin_cache (max_pos, D)``: ``[:, :D/2]`` = cos, ``[:, D/2:]``
+    = sin of position x inverse frequency, computed in fp32 and cast to the model's dtype with
+    the model (the values HF's ``cos.to(x.dtype)`` gives)."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos_sin_cache: torch.Tensor
 
     def __init__(self, args: LlamaArgs, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), -1), False)
 
 
 class Attention(nn.Module):
@@ -152,19 +153,23 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, positions, x, rotary, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # (T, H, D)
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        if meta.hooks is not None:
-            meta.hooks.before_layer(self.layer)  # remote KV of this layer must have landed
-        self.backend.write_kv(k, v, kv_layer, meta)
-        if meta.hooks is not None:
-            meta.hooks.after_layer(self.layer, kv_layer)
-        o = self.backend.attend(q, kv_layer, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
+        qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
+        hooks = meta.hooks
+        if hooks is not None:
+            hooks.before_layer(self.layer)  # remote KV of this layer must have landed
+        q = _ops.rotary_embedding_and_cache(
+            qkv,
+            positions,
+            rotary.cos_sin_cache,
+            kv_layer,
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )  # (T, H, D); rotated k and v are in the cache now
+        if hooks is not None:
+            hooks.after_layer(self.layer, kv_layer)
+        o = self.backend.attend(q, kv_layer, meta, self.scale)  # (T, H, D)
+        return self.o_proj(o.view(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -174,8 +179,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -186,9 +190,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, positions, x, rotary, kv_layer, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, rotary, kv_layer, meta):
+        """``(x, residual) → (x', residual')``; the residual add happens inside the norms."""
+        if residual is None:  # first layer: the embeddings are the residual stream
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, rotary, kv_layer, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -210,13 +220,15 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """``kv_caches[l]``: layer ``l``'s view ``(2, N, bs, Hkv, D)`` of the paged cache."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        for i, layer in enumerate(self.layers):
-            x = layer(positions, x, self.rotary, kv_cache[i], meta)
-        return self.norm(x)
+        residual = None
+        for layer, kv_layer in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, self.rotary, kv_layer, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (B, vocab) fp32 for the sampler

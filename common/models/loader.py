@@ -63,8 +63,7 @@ def build_model(
     start = time.perf_counter()
     with torch.device(device):
         model = LlamaForCausalLM(args, backend, max_positions)
-    model.to(dtype)
-    model.rotary.to(torch.float32)  # the cos/sin table stays fp32; cast per use like HF
+    model.to(dtype)  # the rotary table too: fp32 values cast once, as HF casts them per use
     if load_format == "dummy":
         _fill_dummy(model, seed)
     else:

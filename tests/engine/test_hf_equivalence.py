@@ -32,6 +32,14 @@ ENGINE_MODES = {
     "chunked": {"max_num_batched_tokens": 48},
     "preemption": {"num_blocks": 30, "max_num_batched_tokens": 256, "max_model_len": 256},
     "no_prefix_cache": {"enable_prefix_caching": False, "max_num_seqs": 3},
+    # step N+1 scheduled and run before step N's tokens are read (the CUDA default)
+    "overlapped": {"async_scheduling": True},
+    "overlapped_preemption": {
+        "async_scheduling": True,
+        "num_blocks": 30,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 256,
+    },
 }
 
 
@@ -43,7 +51,7 @@ def test_greedy_matches_hf(reference, mode):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out, want in zip(prompts, outputs, expected):
         assert_same_greedy(hf, prompt, out.outputs[0].token_ids, want)
-    if mode == "preemption":
+    if "preemption" in mode:
         assert llm.engine.scheduler.num_preemptions > 0
     # second pass: every prompt now hits the prefix cache (or is recomputed), same tokens
     again = llm.generate(prompts, params, use_tqdm=False)

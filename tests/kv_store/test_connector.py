@@ -272,7 +272,7 @@ def test_loaded_kv_lands_layer_by_layer(tmp_path, colocated):
     seen = []
 
     def wait(layer):
-        landed = [ids for _, ids, _ in worker._landed]
+        landed = [torch.tensor(item.block_ids) for item in worker._landing]
         real_wait(layer)
         if layer == 0 and landed:
             cache = consumer.runner.kv_cache

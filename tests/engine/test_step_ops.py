@@ -1,0 +1,93 @@
+"""The decode step's launch count, device-independently: aten ops dispatched per decoder layer.
+
+On a GPU every dispatched op is at least one kernel launch, and the step was host-bound at ~82
+launches per layer. The count per layer is the difference between a 6-layer and a 2-layer model
+of the same shape (everything outside the layers cancels), divided by 4. Host syncs are counted
+the same way: an op that reads a device value on the host (``_local_scalar_dense`` behind
+``.item()``/``int()``, or ``nonzero`` behind boolean indexing) must not appear per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import LLM, SamplingParams
+from common.models.tiny import resolve_model_path
+
+MAX_OPS_PER_LAYER = 12
+SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item")
+BATCH = 8
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def model_with_layers(tmp_path: Path, num_layers: int) -> str:
+    tiny = resolve_model_path("tiny-llama")
+    out = tmp_path / f"tiny-llama-{num_layers}l"
+    shutil.copytree(tiny, out, ignore=shutil.ignore_patterns("*.safetensors*"))
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def decode_step_ops(model: str, **engine_args) -> Counter[str]:
+    """Ops of one pure decode step of BATCH running requests (after every prefill is done)."""
+    llm = LLM(model=model, load_format="dummy", **engine_args)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i in range(BATCH):
+        engine.add_request(str(i), [3 + i, 4, 5, 6 + i], params)
+    engine.step()  # every prompt in one step
+    engine.step()  # a decode step outside the count: warms every path
+    with OpCounter() as counter:
+        engine.step()
+    return counter.ops
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layers")
+    return {n: decode_step_ops(model_with_layers(tmp, n)) for n in (2, 6)}
+
+
+def per_layer(counts) -> Counter[str]:
+    diff = Counter(counts[6])
+    diff.subtract(counts[2])
+    return diff
+
+
+def test_ops_per_layer(counts):
+    diff = per_layer(counts)
+    total = sum(diff.values())
+    assert total % 4 == 0, diff
+    assert total // 4 <= MAX_OPS_PER_LAYER, f"{total / 4} ops per layer: {dict(diff)}"
+
+
+def test_no_host_sync_per_layer(counts):
+    diff = per_layer(counts)
+    assert not any(diff[op] for op in SYNC_OPS), dict(diff)
+    # and none at all in the step on the CPU path: the sampled ids are read with tolist()
+    assert not any(counts[6][op] for op in SYNC_OPS), dict(counts[6])
+
+
+def test_ops_per_layer_overlapped_loop(tmp_path):
+    """The overlapped loop adds nothing per layer either."""
+    ops = {
+        n: decode_step_ops(model_with_layers(tmp_path, n), async_scheduling=True) for n in (2, 6)
+    }
+    assert sum(per_layer(ops).values()) // 4 <= MAX_OPS_PER_LAYER
