@@ -3,7 +3,8 @@
 redis-py's `RedisCluster` discovers the topology (CLUSTER SLOTS from any listed node) and owns a
 connection pool per node; `RedisStore` groups a batch by the node owning each key's slot and
 pipelines every group on that node's pool, the groups in parallel (see `redis_store.py`), so the
-zero-copy framing is the same as on one server: the store never goes through redis-py's packers.
+zero-copy framing (`redis_wire.py`) is the same as on one server: the store never goes through
+redis-py's packers.
 
 Keys carry no `{hash tag}`: one request's blocks spread over every shard, and so do its loads.
 
@@ -30,7 +31,8 @@ from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
 from kv_store.base import RateLimitedWarning
-from kv_store.redis_store import Failure, Route, Topology
+from kv_store.redis_store import Route, Topology
+from kv_store.redis_wire import Failure
 
 logger = logging.getLogger(__name__)
 

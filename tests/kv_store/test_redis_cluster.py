@@ -11,7 +11,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from kv_store import HEADER_SIZE, RedisStore, cli, open_store, redis_store
+from kv_store import HEADER_SIZE, RedisStore, cli, open_store, redis_wire
 from kv_store.redis_cluster import parse_cluster_url
 from kv_store.url import list_fingerprints
 from tests.conftest import RedisClusterNodes, TLSFiles, free_port
@@ -159,14 +159,14 @@ def test_killed_node_is_misses_then_no_exceptions(
         assert _put(s, keys, 2048) == want
         assert s.delete_many(keys[:6]) == sum(want[:6])
 
-        real_send = redis_store._send
+        real_send = redis_wire._send
 
         def kill_mid_batch(sock, pieces):  # node 2 dies with its slice on the wire
             if sock.getpeername()[1] == nodes.ports[2]:
                 nodes.kill(2)
             real_send(sock, pieces)
 
-        monkeypatch.setattr(redis_store, "_send", kill_mid_batch)
+        monkeypatch.setattr(redis_wire, "_send", kill_mid_batch)
         assert _read(s, keys[6:], 2048) == [node == 0 for node in node_of[6:]]  # no exception
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 
-from kv_store import HEADER_SIZE, RedisStore, redis_store
+from kv_store import HEADER_SIZE, RedisStore, redis_store, redis_wire
 from tests.conftest import REDIS_SERVER, RedisServer, TLSFiles, free_port, tls_server_args
 from tests.kv_store import block_key, payload_for
 
@@ -283,19 +283,19 @@ def test_parallel_slices_use_several_connections(
     barrier until all four are on the wire, so they must hold 4 connections together."""
     keys = [block_key(FP, i) for i in range(16)]
     barrier = threading.Barrier(4, timeout=10)
-    real_send = redis_store._send
+    real_send = redis_wire._send
 
     def send_together(sock, pieces):
         barrier.wait()
         real_send(sock, pieces)
 
     with RedisStore(redis_server.url, FP, connections=4) as s:
-        monkeypatch.setattr(redis_store, "_send", send_together)
+        monkeypatch.setattr(redis_wire, "_send", send_together)
         assert _put(s, keys, 65536) == [True] * 16
         assert _read(s, keys, 65536) == [True] * 16
         with redis_server.client() as client:
             assert len(client.client_list()) == 4 + 1
-        monkeypatch.setattr(redis_store, "_send", real_send)
+        monkeypatch.setattr(redis_wire, "_send", real_send)
         missing = {1, 6, 7, 15}  # results stay in key order across slices
         assert s.delete_many([keys[i] for i in missing]) == 4
         assert _read(s, keys, 65536) == [i not in missing for i in range(16)]
@@ -338,13 +338,13 @@ def test_server_killed_during_a_parallel_batch(
     keys = [block_key(FP, i) for i in range(16)]
     with RedisStore(redis_server.url, FP, connections=4) as s:
         _put(s, keys, 65536)
-        real_send = redis_store._send
+        real_send = redis_wire._send
 
         def kill_then_send(sock, pieces):
             redis_server.kill()
             real_send(sock, pieces)
 
-        monkeypatch.setattr(redis_store, "_send", kill_then_send)
+        monkeypatch.setattr(redis_wire, "_send", kill_then_send)
         assert _read(s, keys, 65536) == [False] * 16
         assert _put(s, keys, 65536) == [False] * 16
         assert s._counters.errors == 32
