@@ -19,19 +19,18 @@ one spare byte that must stay unread) and verify them: eviction unlinks the name
 renames a new inode over it, but an open fd keeps reading the old, complete inode (POSIX). A
 missing name is a miss.
 
-NOTE (parallel batches, and where the index is): a batch of large entries is split into
-contiguous slices run by the store's worker threads (`workers`, default min(8, cpu count); the
-calling thread runs one slice). os.preadv/pwritev release the GIL, so the slices' syscalls
-overlap; xxh3 holds it (~10% of an entry's write time on tmpfs). Small entries stay on the
-calling thread: every syscall of a worker drops and retakes the GIL, and below ~128 KiB per entry
-that churn costs more than the overlap gains. The LRU index (see `file_index.py`) is taken once
-per put batch *before* the writes: one transaction evicts and records the whole batch; the workers
-then write and rename with no lock held; one read of the batch's rows under the lock afterwards
-("settle") repairs the race this opens with evictions by other processes. Committed bytes never
-exceed the capacity, the index and the directory agree between batches, and no block write waits
-on SQLite or on another process. A get batch records its hits in one transaction after its
-reads. Capacity counts file sizes (header + payload; tmpfs rounds each file up to a page) and is
-enforced by writers: every process should be given the same one.
+NOTE (parallel batches, and where the index is): a batch of large entries is split into contiguous
+slices run by the store's worker threads (`workers`, default min(8, cpu count); the calling thread
+runs one slice). os.preadv/pwritev release the GIL, so the slices' syscalls overlap; xxh3 holds it.
+Small entries (below ~128 KiB) stay on the calling thread, where the GIL churn of a worker would
+cost more than the overlap gains (`io_workers.py`). The LRU index (see `file_index.py`) is taken
+once per put batch *before* the writes: one transaction evicts and records the whole batch; the
+workers then write and rename with no lock held; one read of the batch's rows under the lock
+afterwards ("settle") repairs the race this opens with evictions by other processes. Committed
+bytes never exceed the capacity, the index and the directory agree between batches, and no block
+write waits on SQLite or on another process. A get batch records its hits in one transaction after
+its reads. Capacity counts file sizes (header + payload; tmpfs rounds each file up to a page) and
+is enforced by writers: every process should be given the same one.
 """
 
 from __future__ import annotations
@@ -42,12 +41,9 @@ import itertools
 import logging
 import os
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from kv_store import entry
 from kv_store.base import (
@@ -60,6 +56,14 @@ from kv_store.base import (
     check_lengths,
 )
 from kv_store.file_index import FileIndex
+from kv_store.io_workers import (
+    BatchPool,
+    as_payload,
+    chunk_list,
+    default_workers,
+    preadv_all,
+    pwritev_all,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +72,6 @@ FINGERPRINT_FILE = "FINGERPRINT"  # the namespace's fingerprint in clear, for op
 DEFAULT_CAPACITY_FRACTION = 0.25  # of the filesystem's size, when no capacity is given
 _STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died
 _FANOUT = [f"{i:02x}" for i in range(256)]
-# Parallel slices pay off only for large entries: each syscall of a worker releases and retakes
-# the GIL, and with 32 KiB entries that churn costs more than the overlap gains (2 cores: 1 worker
-# 0.52/1.16 GB/s put/get, 2 workers 0.40/0.72; at 512 KiB 1.70/3.35 vs 2.78/5.34).
-_MIN_PARALLEL_ENTRY = 128 << 10
-_MIN_SLICE_BYTES = 1 << 20  # a slice must outweigh its hand-off to a thread (~30-50 µs)
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-T = TypeVar("T")
-
-
-def default_workers() -> int:
-    """Worker threads per store: min(8, cpu count); tmpfs stops scaling beyond ~8 writers."""
-    return min(8, os.cpu_count() or 1)
 
 
 def default_root(fingerprint: str, base: str | os.PathLike[str] = DEFAULT_BASE) -> Path:
@@ -88,69 +79,18 @@ def default_root(fingerprint: str, base: str | os.PathLike[str] = DEFAULT_BASE) 
     return Path(base) / entry.fingerprint_digest(fingerprint).hex()
 
 
+def default_capacity(directory: Path) -> int:
+    """The capacity of a store given none: DEFAULT_CAPACITY_FRACTION of the filesystem that
+    holds `directory`."""
+    st = os.statvfs(directory)
+    return int(st.f_frsize * st.f_blocks * DEFAULT_CAPACITY_FRACTION)
+
+
 def make_private_dir(path: Path) -> None:
     """mkdir -p with mode 0700 on the leaf, whatever the umask."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if path.stat().st_mode & 0o777 != 0o700:
         path.chmod(0o700)
-
-
-class BatchPool:
-    """Threads owned by one store that split a batch into contiguous slices.
-
-    `map(fn, n, nbytes)` returns `[fn(0), …, fn(n - 1)]` in order, for a batch of `n` items
-    moving `nbytes` in all. The calling thread runs the first slice itself. A batch runs inline
-    when its items average less than `min_item_bytes` or it has too few bytes to give every
-    slice `min_slice_bytes`. Threads start on first use; `close()` joins them.
-    """
-
-    def __init__(
-        self,
-        workers: int,
-        *,
-        min_item_bytes: int = _MIN_PARALLEL_ENTRY,
-        min_slice_bytes: int = _MIN_SLICE_BYTES,
-    ) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        self.workers = workers
-        self.min_item_bytes = min_item_bytes
-        self.min_slice_bytes = min_slice_bytes
-        self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    def map(self, fn: Callable[[int], T], n: int, nbytes: int) -> list[T]:
-        slices = min(self.workers, n, nbytes // max(1, self.min_slice_bytes))
-        if slices <= 1 or nbytes < n * self.min_item_bytes:
-            return [fn(i) for i in range(n)]
-        bounds = [n * s // slices for s in range(slices + 1)]
-
-        def run(lo: int, hi: int) -> list[T]:
-            return [fn(i) for i in range(lo, hi)]
-
-        executor = self._get_executor()
-        futures: list[Future[list[T]]] = [
-            executor.submit(run, lo, hi) for lo, hi in itertools.pairwise(bounds[1:])
-        ]
-        try:
-            out = run(bounds[0], bounds[1])
-        finally:
-            wait(futures)  # never return (or raise) while a slice still touches the batch
-        for future in futures:
-            out += future.result()
-        return out
-
-    def _get_executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.workers - 1, "kv-store-io")
-            return self._executor
-
-    def close(self) -> None:
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
 
 
 class FileStore(KVStore):
@@ -180,10 +120,9 @@ class FileStore(KVStore):
         make_private_dir(self.root)
         for sub in _FANOUT:
             (self.root / sub).mkdir(mode=0o700, exist_ok=True)
-        if capacity_bytes is None:
-            st = os.statvfs(self.root)
-            capacity_bytes = int(st.f_frsize * st.f_blocks * DEFAULT_CAPACITY_FRACTION)
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = (
+            default_capacity(self.root) if capacity_bytes is None else capacity_bytes
+        )
         self.fsync = fsync
         self._fp_digest = entry.fingerprint_digest(fingerprint)
         self._temp_ids = itertools.count()
@@ -447,61 +386,6 @@ class FileStore(KVStore):
             f"FileStore({str(self.root)!r}, capacity_bytes={self.capacity_bytes},"
             f" workers={self.workers})"
         )
-
-
-def chunk_list(payload: Payload | Destination) -> list[memoryview]:
-    """`entry.chunk_views`, minus its exception-driven probe for the common list of chunks."""
-    if isinstance(payload, list | tuple):
-        return [entry.byte_view(chunk) for chunk in payload]
-    return entry.chunk_views(payload)
-
-
-def as_payload(chunks: list[memoryview]) -> Payload:
-    """A one-chunk payload as its buffer, so `entry` takes its fast path."""
-    return chunks[0] if len(chunks) == 1 else chunks
-
-
-def pwritev_all(fd: int, chunks: Sequence[memoryview], offset: int) -> None:
-    """Write every chunk, in order, from `offset`: one pwritev per IOV_MAX chunks, resumed after
-    a short write. Raises OSError if the file stops growing (e.g. ENOSPC)."""
-    pending = list(chunks)
-    if len(pending) <= IOV_MAX:  # the common case: one call writes everything
-        n = os.pwritev(fd, pending, offset)
-        if n == sum(len(c) for c in pending):
-            return
-        offset += max(n, 0)
-        pending = _advance(pending, max(n, 0))
-    while pending:
-        group = pending[:IOV_MAX]
-        n = os.pwritev(fd, group, offset)
-        if n <= 0:
-            raise OSError("short write")
-        offset += n
-        pending = _advance(group, n) + pending[IOV_MAX:]
-
-
-def preadv_all(fd: int, bufs: Sequence[memoryview | bytearray], offset: int) -> int:
-    """Fill `bufs` in order from `offset` until they are full or the file ends; bytes read.
-    For regular files, which read short only at their end: one preadv per IOV_MAX buffers."""
-    if len(bufs) <= IOV_MAX:
-        return os.preadv(fd, bufs, offset)
-    total = 0
-    for first in range(0, len(bufs), IOV_MAX):
-        group = bufs[first : first + IOV_MAX]
-        n = os.preadv(fd, group, offset + total)
-        total += n
-        if n < sum(len(b) for b in group):
-            break
-    return total
-
-
-def _advance(group: list[memoryview], n: int) -> list[memoryview]:
-    """The part of `group` left after its first `n` bytes were transferred."""
-    for i, buf in enumerate(group):
-        if n < len(buf):
-            return [buf[n:], *group[i + 1 :]]
-        n -= len(buf)
-    return []
 
 
 def _unlink_quietly(path: str | Path) -> bool:

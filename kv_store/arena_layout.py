@@ -1,0 +1,445 @@
+"""The on-file layout of an `ArenaStore` arena: header, geometry, index table, slot metadata, and
+the creation, opening, checking and mapping of the file.
+
+```
+<base>/<fingerprint digest>.arena          0600; default base /dev/shm/pdserve (0700)
+  [0, 4096)   header    magic, version, fingerprint digest, payload bytes, slot size and count,
+                        table size (checksummed, immutable); shared counters (CLOCK hand,
+                        evictions, hits, misses); the fingerprint string, for the CLI
+  table       open addressing, a power of two ≥ 2 × slots:  key0 u64 | key1 u64 | slot + 1 u32
+              (0 = empty, 0xffffffff = tombstone), key = blake2b-128 of the store key
+  slot meta   one column per field: gen u64 | key0 u64 | key1 u64 | xxh u64 | stamp u64 |
+              owner u64 (pid namespace << 32 | pid) | state u8 (FREE, WRITING, COMMITTED) | ref u8
+  slots       slot_count × slot_size: 64-byte entry header + payload (`payload_bytes`, fixed
+              per namespace), each slot 64-byte aligned
+```
+
+The file is sized and allocated when it is created (posix_fallocate: ENOSPC then, not SIGBUS
+on a full tmpfs later), linked into place only once complete, and mapped MAP_SHARED |
+MAP_POPULATE by every process, so no copy pays a page fault or a page allocation: that is what
+makes a put 3-4x faster than writing a file on tmpfs (docs/BENCHMARKS.md, "KV transfer"). Never
+truncate an arena in use (a process touching a page past the end gets SIGBUS); removing or
+replacing the file is safe but splits the processes (old ones keep the old file).
+
+NOTE (slot states and generations): a slot's generation is odd while it is WRITING and even
+otherwise, and every state change moves it (`begin_write`, `commit`, `free`), so a reader that
+sees the same even generation before and after its copy knows no writer touched the slot in
+between. (This assumes stores become visible in program order, as on x86; where they do not, a
+tear it misses is still caught by the entry checksums.) A table cell is written key first, slot
+last, so a lock-free probe sees a cell only once its key is there. Table probes are racy by
+design: a torn or moved cell is at worst a miss, because the slot metadata decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from kv_store import entry
+from kv_store.file_store import DEFAULT_BASE, default_capacity, make_private_dir
+
+SUFFIX = ".arena"
+MAGIC, VERSION = b"PDKVAREN", 1
+FREE, WRITING, COMMITTED = 0, 1, 2
+_PAGE = 4096
+_EMPTY, _TOMB = 0, 0xFFFFFFFF
+_HEADER = struct.Struct("<8sII16sQQII")  # magic, version, 0, fp digest, payload, slot, n, table
+_HEADER_XXH = struct.Struct("<Q")  # xxh3 of _HEADER, right after it: 64 immutable bytes
+_HAND, _TABLE_USED, _EVICTIONS, _HITS, _MISSES = range(5)  # u64 counters at byte 64
+_FP_OFFSET = 256  # u16 length + UTF-8 fingerprint
+_TABLE_COLUMNS = (("tkey0", "Q"), ("tkey1", "Q"), ("tslot", "I"))
+_SLOT_COLUMNS = (("gen", "Q"), ("key0", "Q"), ("key1", "Q"), ("xxh", "Q"), ("stamp", "Q"),
+                 ("owner", "Q"), ("state", "B"), ("ref", "B"))  # fmt: skip
+
+
+class ArenaGeometryError(ValueError):
+    """The arena file does not match what the caller asked for, or is not an arena."""
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of an arena file; every offset is derived from these two numbers."""
+
+    payload_bytes: int
+    slot_count: int
+
+    @classmethod
+    def for_capacity(cls, payload_bytes: int, capacity_bytes: int) -> Geometry:
+        """As many slots as fit in `capacity_bytes` (slot bytes only; metadata is ~0.1 KiB per
+        slot on top)."""
+        if payload_bytes < 1:
+            raise ValueError(f"payload_bytes must be >= 1, got {payload_bytes}")
+        slots = capacity_bytes // _round_up(entry.HEADER_SIZE + payload_bytes, 64)
+        if slots < 1 or slots >= _TOMB:
+            raise ValueError(f"capacity {capacity_bytes} B holds {slots} slots of this size")
+        return cls(payload_bytes, slots)
+
+    @property
+    def slot_size(self) -> int:
+        return _round_up(entry.HEADER_SIZE + self.payload_bytes, 64)
+
+    @property
+    def table_size(self) -> int:
+        return max(8, 1 << (2 * self.slot_count - 1).bit_length())
+
+    def columns(self) -> list[tuple[str, str, int, int]]:
+        """(name, struct format, length, byte offset) of each table and slot column, each
+        64-byte aligned, after the header page."""
+        out, at = [], _PAGE
+        for columns, count in ((_TABLE_COLUMNS, self.table_size), (_SLOT_COLUMNS, self.slot_count)):
+            for name, fmt in columns:
+                out.append((name, fmt, count, at))
+                at = _round_up(at + struct.calcsize(fmt) * count, 64)
+        return out
+
+    @property
+    def data_offset(self) -> int:
+        """Where slot 0 starts (page aligned)."""
+        _, fmt, count, at = self.columns()[-1]
+        return _round_up(at + struct.calcsize(fmt) * count, _PAGE)
+
+    @property
+    def file_size(self) -> int:
+        return self.data_offset + self.slot_count * self.slot_size
+
+    def encode(self, fingerprint: str) -> bytes:
+        """The header page of a new arena (counters zero)."""
+        digest = entry.fingerprint_digest(fingerprint)
+        fp = fingerprint.encode()
+        if _FP_OFFSET + 2 + len(fp) > _PAGE:
+            raise ValueError("fingerprint too long for an arena header")
+        sizes = (self.payload_bytes, self.slot_size, self.slot_count, self.table_size)
+        body = _HEADER.pack(MAGIC, VERSION, 0, digest, *sizes)
+        page = bytearray(_PAGE)
+        page[: _HEADER.size] = body
+        _HEADER_XXH.pack_into(page, _HEADER.size, xxhash.xxh3_64_intdigest(body))
+        struct.pack_into(f"<H{len(fp)}s", page, _FP_OFFSET, len(fp), fp)
+        return bytes(page)
+
+    @classmethod
+    def decode(cls, page: bytes) -> tuple[Geometry, str]:
+        """(geometry, fingerprint) of a header page; ArenaGeometryError if it is not one."""
+        if len(page) < _PAGE:
+            raise ArenaGeometryError("file too short for an arena header")
+        body = page[: _HEADER.size]
+        (xxh,) = _HEADER_XXH.unpack_from(page, _HEADER.size)
+        magic, version, _, digest, payload, slot_size, slots, table = _HEADER.unpack(body)
+        if magic != MAGIC or version != VERSION or xxh != xxhash.xxh3_64_intdigest(body):
+            raise ArenaGeometryError("not a pdserve arena (bad magic, version or checksum)")
+        (n,) = struct.unpack_from("<H", page, _FP_OFFSET)
+        fingerprint = page[_FP_OFFSET + 2 : _FP_OFFSET + 2 + n].decode(errors="replace")
+        geometry = cls(payload, slots)
+        if (slot_size, table) != (geometry.slot_size, geometry.table_size):
+            raise ArenaGeometryError("inconsistent arena header")
+        if entry.fingerprint_digest(fingerprint) != digest:
+            raise ArenaGeometryError("arena header fingerprint does not match its digest")
+        return geometry, fingerprint
+
+
+def arena_path(fingerprint: str, base: str | os.PathLike[str] = DEFAULT_BASE) -> Path:
+    """The arena file of a fingerprint under `base`."""
+    return Path(base) / (entry.fingerprint_digest(fingerprint).hex() + SUFFIX)
+
+
+def read_fingerprint(path: str | os.PathLike[str]) -> str:
+    """The fingerprint an arena file holds (for `list_fingerprints`)."""
+    with open(path, "rb") as f:
+        return Geometry.decode(f.read(_PAGE))[1]
+
+
+def names_file(path: Path, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd` (not removed or replaced)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def key_digest(key: str) -> tuple[int, int]:
+    """The 128-bit table key of a store key, as two u64."""
+    d0, d1 = struct.unpack("<QQ", hashlib.blake2b(key.encode(), digest_size=16).digest())
+    return d0, d1
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 if unknown): pids compare only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+    except OSError:
+        return 0
+
+
+def owner_alive(owner: int, our_namespace: int) -> bool:
+    """Whether the writer `owner` (pid namespace << 32 | pid) may still be running. Owners in
+    another (or an unknown) pid namespace count as alive: only their age can reclaim them."""
+    pid, namespace = owner & 0xFFFFFFFF, owner >> 32
+    if namespace == 0 or namespace != our_namespace:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) is dead for our purpose
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class ArenaMapping:
+    """The mmap of an arena and typed views of its parts: numpy arrays for vector work and
+    copies, memoryview casts for scalar access (several times faster per element); the index
+    table and the state changes of a slot on top of them.
+
+    `find`, `committed` and `read_begin` take no lock (a racy read is at worst a miss). Every
+    other method writes shared metadata: its caller holds the arena lock (the store's flock)."""
+
+    def __init__(self, fd: int, geometry: Geometry) -> None:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self.mm = mmap.mmap(fd, geometry.file_size, flags=flags)
+        self.bytes = np.frombuffer(self.mm, np.uint8)
+        self.view = memoryview(self.mm)
+        self.counters = self.view[64:128].cast("Q")
+        self.np: dict[str, np.ndarray] = {}
+        self.mv: dict[str, memoryview] = {}
+        for name, fmt, count, start in geometry.columns():
+            end = start + struct.calcsize(fmt) * count
+            self.np[name] = self.bytes[start:end].view(fmt)
+            self.mv[name] = self.view[start:end].cast(fmt)  # type: ignore[call-overload]
+        self._slots, self._table_size = geometry.slot_count, geometry.table_size
+        self._mask = self._table_size - 1
+
+    # -- table (the open-addressing index) ------------------------------------------------------
+
+    def find(self, d0: int, d1: int) -> int:
+        """The slot the table maps the key to, -1 if none. Lock-free (racy reads are fine)."""
+        tslot, tkey0, tkey1 = self.mv["tslot"], self.mv["tkey0"], self.mv["tkey1"]
+        i = d0 & self._mask
+        for _ in range(self._table_size):
+            cell = tslot[i]
+            if cell == _EMPTY:
+                return -1
+            if cell != _TOMB and tkey0[i] == d0 and tkey1[i] == d1:
+                return cell - 1 if cell <= self._slots else -1
+            i = (i + 1) & self._mask
+        return -1
+
+    def table_put(self, d0: int, d1: int, slot: int) -> int:
+        """Map the key to `slot`; returns the slot it was mapped to before, or -1 (a new cell,
+        counted in the `_TABLE_USED` counter unless it reuses a tombstone)."""
+        tslot, tkey0, tkey1 = self.mv["tslot"], self.mv["tkey0"], self.mv["tkey1"]
+        i, reuse = d0 & self._mask, -1
+        for _ in range(self._table_size):
+            cell = tslot[i]
+            if cell == _EMPTY:
+                break
+            if cell == _TOMB:
+                reuse = i if reuse < 0 else reuse
+            elif tkey0[i] == d0 and tkey1[i] == d1:
+                tslot[i] = slot + 1
+                return cell - 1
+            i = (i + 1) & self._mask
+        if reuse < 0:
+            reuse = i
+            self.counters[_TABLE_USED] += 1
+        tkey0[reuse], tkey1[reuse] = d0, d1
+        tslot[reuse] = slot + 1  # last: a reader sees the cell only once its key is there
+        return -1
+
+    def table_remove(self, d0: int, d1: int, slot: int) -> None:
+        """Tombstone the key's cell if it maps to `slot`."""
+        tslot, tkey0, tkey1 = self.mv["tslot"], self.mv["tkey0"], self.mv["tkey1"]
+        i = d0 & self._mask
+        for _ in range(self._table_size):
+            cell = tslot[i]
+            if cell == _EMPTY:
+                return
+            if cell == slot + 1 and tkey0[i] == d0 and tkey1[i] == d1:
+                tslot[i] = _TOMB
+                return
+            i = (i + 1) & self._mask
+
+    def clear_table(self) -> None:
+        """Empty every cell (tombstones included)."""
+        for name in ("tslot", "tkey0", "tkey1"):
+            self.np[name][:] = 0
+        self.counters[_TABLE_USED] = 0
+
+    def rebuild_table(self) -> None:
+        """Drop the tombstones: re-insert every committed slot (readers miss meanwhile)."""
+        self.clear_table()
+        mv = self.mv
+        for slot in np.flatnonzero(self.np["state"] == COMMITTED).tolist():
+            d0, d1 = mv["key0"][slot], mv["key1"][slot]
+            displaced = self.table_put(d0, d1, slot)
+            if displaced >= 0:  # two slots of one key (a crash mid-publish): keep one
+                self.free_if_holds(displaced, d0, d1)
+
+    # -- slot states ----------------------------------------------------------------------------
+
+    def committed(self, d0: int, d1: int) -> int:
+        """The COMMITTED slot that holds the key, -1 if none. Lock-free."""
+        slot = self.find(d0, d1)
+        return slot if slot >= 0 and self.read_begin(slot, d0, d1) >= 0 else -1
+
+    def read_begin(self, slot: int, d0: int, d1: int) -> int:
+        """The generation of `slot` if it is COMMITTED to the key, else -1: a lock-free read
+        starts here, and the slot's bytes are the key's if the generation is unchanged after."""
+        mv = self.mv
+        gen = mv["gen"][slot]
+        if (
+            gen & 1
+            or mv["state"][slot] != COMMITTED
+            or (mv["key0"][slot], mv["key1"][slot]) != (d0, d1)
+        ):
+            return -1
+        return gen
+
+    def begin_write(self, slot: int, d0: int, d1: int, owner: int, now: int) -> int:
+        """Mark `slot` WRITING for `owner` (generation made odd); returns that generation."""
+        mv = self.mv
+        gen = mv["gen"][slot] + 1 | 1
+        mv["gen"][slot] = gen
+        mv["state"][slot], mv["ref"][slot] = WRITING, 0
+        mv["key0"][slot], mv["key1"][slot] = d0, d1
+        mv["owner"][slot], mv["stamp"][slot] = owner, now
+        return gen
+
+    def commit(self, slot: int, gen: int, xxh: int) -> None:
+        """Mark the slot claimed at generation `gen` COMMITTED with payload checksum `xxh`
+        (generation made even). The key's table cell is the caller's to write."""
+        mv = self.mv
+        mv["xxh"][slot], mv["state"][slot] = xxh, COMMITTED
+        mv["gen"][slot] = gen + 1
+
+    def free(self, slot: int) -> None:
+        mv = self.mv
+        mv["gen"][slot] = mv["gen"][slot] + 1 | 1
+        mv["state"][slot] = FREE
+        mv["gen"][slot] = mv["gen"][slot] + 1
+
+    def free_if_holds(self, slot: int, d0: int, d1: int) -> None:
+        """Free `slot` if it is the committed slot of key (d0, d1) (a stale table cell may name
+        a slot that now belongs to someone else)."""
+        mv = self.mv
+        if (
+            slot >= 0
+            and mv["state"][slot] == COMMITTED
+            and (mv["key0"][slot], mv["key1"][slot]) == (d0, d1)
+        ):
+            self.free(slot)
+
+    def free_all(self) -> int:
+        """Free every COMMITTED slot (WRITING ones are left to their writers), empty the table,
+        put the CLOCK hand back at slot 0; returns how many slots were freed."""
+        state, gen = self.np["state"], self.np["gen"]
+        committed = np.flatnonzero(state == COMMITTED)
+        state[committed] = FREE
+        gen[committed] += 2  # still even, but changed: a reader mid-copy misses
+        self.clear_table()
+        self.counters[_HAND] = 0
+        return len(committed)
+
+    def close(self) -> None:
+        for view in (*self.mv.values(), self.counters, self.view):
+            view.release()
+        self.np.clear()
+        del self.bytes
+        with contextlib.suppress(BufferError):  # a stray numpy view: the GC unmaps it later
+            self.mm.close()
+
+
+# -- opening --------------------------------------------------------------------------------------
+
+
+class OpenArena(NamedTuple):
+    """An arena opened by `open_arena`; the caller owns (closes) `fd` and `mapping`."""
+
+    fd: int
+    geometry: Geometry
+    mapping: ArenaMapping
+
+
+def open_arena(
+    path: Path, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None
+) -> OpenArena:
+    """Open (creating it if missing), check and map the arena at `path`; ArenaGeometryError if
+    it holds another fingerprint or geometry than asked (None: take the file's)."""
+    fd = _open_or_create(path, fingerprint, payload_bytes, capacity_bytes)
+    try:
+        geometry = _check_geometry(fd, fingerprint, payload_bytes, capacity_bytes)
+        return OpenArena(fd, geometry, ArenaMapping(fd, geometry))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_or_create(
+    path: Path, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None
+) -> int:
+    """An O_RDWR fd of the arena at `path`, creating it (fully allocated, header written, then
+    linked into place, so no process ever maps a half-made arena) if it does not exist."""
+    with contextlib.suppress(FileNotFoundError):
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    if payload_bytes is None:
+        raise ArenaGeometryError(f"no arena at {path}; payload_bytes is needed to create one")
+    if not path.parent.exists():
+        make_private_dir(path.parent)
+    if capacity_bytes is None:
+        capacity_bytes = default_capacity(path.parent)
+    geometry = Geometry.for_capacity(payload_bytes, capacity_bytes)
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, geometry.file_size)  # ENOSPC now, not SIGBUS later
+        os.pwrite(fd, geometry.encode(fingerprint), 0)
+        try:
+            os.link(temp, path)
+        except FileExistsError:  # another process created it first: use theirs
+            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _check_geometry(
+    fd: int, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None
+) -> Geometry:
+    """The arena's geometry, after checking it against the file and what the caller asked."""
+    geometry, stored = Geometry.decode(os.pread(fd, _PAGE, 0))
+    if stored != fingerprint:
+        raise ArenaGeometryError(f"arena holds fingerprint {stored!r}, not {fingerprint!r}")
+    if os.fstat(fd).st_size != geometry.file_size:
+        raise ArenaGeometryError("arena file size does not match its header")
+    if payload_bytes is not None and payload_bytes != geometry.payload_bytes:
+        raise ArenaGeometryError(
+            f"arena geometry mismatch: it holds {geometry.payload_bytes} B payloads,"
+            f" {payload_bytes} B asked (delete the arena file to change it)"
+        )
+    if capacity_bytes is not None:
+        asked = Geometry.for_capacity(geometry.payload_bytes, capacity_bytes).slot_count
+        if asked != geometry.slot_count:
+            raise ArenaGeometryError(
+                f"arena geometry mismatch: it has {geometry.slot_count} slots, {asked} asked"
+            )
+    return geometry
