@@ -6,11 +6,14 @@ it, and what does saving it add to a prefill? Beside the box's raw limits, measu
     python -m benchmarks.kv_connector --shape llama-3.2-1b --dtype bfloat16 \\
         --prompts 32x1024 8x4096 2x16384             # the GPU table of docs/BENCHMARKS.md
 
-Per store and prompt set, three timed phases on dummy weights of one shape:
+Per store and prompt set, four timed phases on dummy weights of one shape:
   prefill       an engine without a store runs the prompts (max_tokens=1): the recompute cost;
   prefill+save  a producer engine runs them and returns once every entry is durable;
   load          a consumer engine gets each prompt with its first token (as the router sends
-                it), loads every prompt block from the store and computes that one token.
+                it), loads every prompt block from the store and computes that one token (whose
+                attention reads the whole loaded context once more);
+  transfer      the consumer's connector alone, driven as the scheduler drives it: existence
+                check, fetch and verify, land in the paged cache (the KV path itself).
 Raw limits in the same run, moving the same bytes with the same parallelism: files of one entry
 each written and read by N threads in a sibling directory of the store, redis-py pipelines on N
 connections, and on CUDA pinned host<->device copies. Each figure is the best of --repeat; the
@@ -38,7 +41,9 @@ from tqdm import tqdm
 from common.config import EngineConfig
 from common.engine import EngineCore
 from common.models.shapes import write_dummy_shape
+from common.request import Request
 from common.sampling_params import SamplingParams
+from common.scheduler import SchedulerOutput
 
 GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -79,6 +84,42 @@ def run(engine: EngineCore, requests: list[tuple[list[int], list[int] | None]]) 
     return elapsed
 
 
+def transfer(engine: EngineCore, prompts: list[list[int]]) -> float:
+    """Seconds for the connector alone to bring the prompts' KV from the store into the paged
+    cache (existence check, fetch, verify, land), driven the way the scheduler drives it."""
+    sched, worker = engine.connector  # type: ignore[misc]
+    bs = engine.block_size
+    requests = [
+        Request(
+            f"t{i}", [*p, 1], GREEDY_ONE, eos_token_id=None, block_size=bs, seed=0, max_tokens=1
+        )
+        for i, p in enumerate(prompts)
+    ]
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else lambda: None
+    engine.kv_cache_manager.reset_prefix_cache()  # the blocks below are free: nothing cached
+    sync()
+    start = time.perf_counter()
+    first = 0
+    for request in requests:
+        matched = sched.get_num_new_matched_tokens(request, 0).num_tokens
+        blocks = list(range(first, first + -(-matched // bs)))
+        first += len(blocks)
+        sched.update_state_after_alloc(request, blocks, matched)
+    worker.bind_connector_metadata(sched.build_connector_meta(SchedulerOutput()))
+    worker.start_load_kv(engine.runner.kv_cache)
+    worker.clear_connector_metadata()
+    pending = {r.request_id for r in requests}
+    while pending:
+        pending -= worker.get_finished(set())[1]
+        time.sleep(0.0002)
+    for layer in range(engine.runner.spec.num_layers):  # staged (CUDA): land, layer by layer
+        worker.wait_for_layer_load(layer)
+    sync()
+    elapsed = time.perf_counter() - start
+    assert not worker.get_failed_blocks(), "the transfer phase missed entries"
+    return elapsed
+
+
 def prompts_of(spec: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
     count, length = spec
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +135,7 @@ def engine_phases(args, model: str, url: str, prompts: list[list[int]]) -> dict[
     warm = [([5, 6, 7] * 11, None)]
     for engine in (plain, producer, consumer):
         run(engine, warm)
-    best = {"prefill": float("inf"), "save": float("inf"), "load": float("inf")}
+    best = dict.fromkeys(("prefill", "save", "load", "transfer"), float("inf"))
     first = [[1] for _ in prompts]  # the first token: any id, the load only needs the prompt
     for _ in range(args.repeat):
         best["prefill"] = min(best["prefill"], run(plain, [(p, None) for p in prompts]))
@@ -106,6 +147,7 @@ def engine_phases(args, model: str, url: str, prompts: list[list[int]]) -> dict[
         bs = consumer.block_size
         want = sum(-(-len(p) // bs) for p in prompts)
         assert loaded == want, f"loaded {loaded} of {want} blocks: the load phase recomputed"
+        best["transfer"] = min(best["transfer"], transfer(consumer, prompts))
     for engine in (plain, producer, consumer):
         engine.close()
     return best
@@ -272,6 +314,8 @@ def row(store: str, prompts: tuple[int, int], nbytes: int, best: dict[str, float
         "save_over_prefill": best["save"] / best["prefill"],
         "load_over_prefill": best["load"] / best["prefill"],
         "load_GBps": nbytes / best["load"] / 1e9,
+        "transfer_ms": best["transfer"] * 1e3,
+        "transfer_GBps": nbytes / best["transfer"] / 1e9,
     }
 
 
@@ -299,17 +343,17 @@ def markdown(report: dict) -> str:
         " per token",
         "",
         "| store | prompts | KV GB | prefill ms | prefill+save ms (x) | load ms (x) | load GB/s |"
-        " load / raw read |",
-        "|---|---|---|---|---|---|---|---|",
+        " transfer ms | transfer GB/s (of raw read) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         raw_read = raw.get("redis_read_GBps" if r["store"] == "redis" else "file_read_GBps")
-        vs_raw = f"{r['load_GBps'] / raw_read:.0%}" if raw_read else "-"
+        vs_raw = f" ({r['transfer_GBps'] / raw_read:.0%})" if raw_read else ""
         lines.append(
             f"| {r['store']} | {r['prompts']} | {r['kv_GB']:.3f} | {r['prefill_ms']:.0f} |"
             f" {r['prefill_save_ms']:.0f} ({r['save_over_prefill']:.2f}x) |"
             f" {r['load_ms']:.0f} ({r['load_over_prefill']:.2f}x) | {r['load_GBps']:.2f} |"
-            f" {vs_raw} |"
+            f" {r['transfer_ms']:.0f} | {r['transfer_GBps']:.2f}{vs_raw} |"
         )
     lines += ["", "raw limits: " + ", ".join(f"{k} {v:.2f}" for k, v in raw.items())]
     return "\n".join(lines)

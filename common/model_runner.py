@@ -71,7 +71,7 @@ class StepResult:
             self._event = torch.cuda.Event()
             self._event.record()
         it = iter(tensors)
-        self._host = SamplerOutput(*(next(it) if t is not None else None for t in sampled))
+        self._host = SamplerOutput._make(next(it) if t is not None else None for t in sampled)
 
     def tokens(self) -> dict[str, SampledTokens]:
         if self._event is not None:

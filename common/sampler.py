@@ -106,9 +106,8 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     if not hit_rows:
         return logits
     logits = logits.clone()
-    dev = logits.device
-    index = (to_device(hit_rows, torch.int64, dev), to_device(hit_ids, torch.int64, dev))
-    logits.index_put_(index, torch.tensor(float("-inf"), device=dev))
+    flat = [row * logits.shape[1] + t for row, t in zip(hit_rows, hit_ids)]
+    logits.view(-1).index_fill_(0, to_device(flat, torch.int64, logits.device), float("-inf"))
     return logits
 
 
@@ -124,11 +123,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         counts.index_add_(0, flat, torch.ones(len(out_ids), device=dev))
     counts = counts.view(B, V)
     seen = counts > 0
-    prompt_rows = [i for i, r in enumerate(rows) for _ in r.prompt_token_ids]
-    prompt_ids = [t for r in rows for t in r.prompt_token_ids]
-    if prompt_ids:
-        index = (to_device(prompt_rows, torch.int64, dev), to_device(prompt_ids, torch.int64, dev))
-        seen.index_put_(index, torch.tensor(True, device=dev))
+    prompt = [i * V + t for i, r in enumerate(rows) for t in r.prompt_token_ids]
+    if prompt:
+        seen.view(-1).index_fill_(0, to_device(prompt, torch.int64, dev), True)
     rep = _column([r.params.repetition_penalty for r in rows], dev)
     pres = _column([r.params.presence_penalty for r in rows], dev)
     freq = _column([r.params.frequency_penalty for r in rows], dev)

@@ -171,8 +171,9 @@ class InputBuffers:
         if self.device.type == "cuda":
             self.int64.copy_(host64, non_blocking=True)
             self.int32[:used32].copy_(host32[:used32], non_blocking=True)
-            self._copied[k] = torch.cuda.Event()
-            self._copied[k].record()
+            copied = torch.cuda.Event()
+            copied.record()
+            self._copied[k] = copied
         views = self.views(num_tokens, num_seqs, stride)
         o = self.off
         meta = views.meta

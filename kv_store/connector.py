@@ -25,10 +25,12 @@ import json
 import logging
 import queue
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from common.block_hash import prompt_block_hashes
@@ -193,15 +195,25 @@ class _SaveGroup(NamedTuple):
     staged: torch.Tensor  # (L, n, 2, bs, Hkv, D) view of the slot
 
 
-class _Fetched(NamedTuple):
-    """One fetched staging slot of a load: ``ok[i]`` says whether entry ``i`` arrived intact."""
+class _Read(NamedTuple):
+    """One fetched part of a load, read in place into the paged cache (CPU): ``ok[i]`` says
+    whether entry ``i`` arrived intact."""
 
     request_id: str
     block_ids: list[int]
     ok: list[bool]
+    last: bool  # the request's last part
+
+
+class _Staged(NamedTuple):
+    """One fetched part of a load, in a staging slot (``staged``: its layer-major view)."""
+
+    request_id: str
+    block_ids: list[int]
+    ok: list[bool]
+    last: bool
     slot: torch.Tensor
     staged: torch.Tensor
-    last: bool  # the request's last group
 
 
 class StoreConnectorWorker(KVConnectorWorker):
@@ -218,9 +230,15 @@ class StoreConnectorWorker(KVConnectorWorker):
         *,
         staging_slots: int = STAGING_SLOTS,
         slot_bytes: int = STAGING_SLOT_BYTES,
+        read_in_place: bool | None = None,
     ) -> None:
         self.store, self.spec, self.device = store, spec, device
         self.on_cuda = device.type == "cuda"
+        # CPU: loads read straight into the paged cache; else through staging, landing layer by
+        # layer in the next forward pass (the only way on CUDA; on CPU for tests)
+        self.read_in_place = not self.on_cuda if read_in_place is None else read_in_place
+        if self.read_in_place and self.on_cuda:
+            raise ValueError("a CUDA cache cannot be read into in place")
         self.per_slot = max(1, slot_bytes // spec.bytes_per_block)
         slot_bytes = self.per_slot * spec.bytes_per_block
         self.save_ring = StagingRing(staging_slots, slot_bytes, pin=self.on_cuda)
@@ -237,10 +255,14 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._done_saving: set[str] = set()
         # load: fetched slots arrive on a queue from the reader; a request's last slot waits
         # in ``_landing`` for the next forward pass, earlier ones land at once
-        self._fetched: queue.SimpleQueue[_Fetched] = queue.SimpleQueue()
+        self._fetched: queue.SimpleQueue[_Read | _Staged] = queue.SimpleQueue()
         self._loading: set[str] = set()
         self._cancelled: set[str] = set()
-        self._landing: list[_Fetched] = []
+        self._load_lock = threading.Lock()  # CPU: held while a read writes into the cache
+        self._reads_may_start = threading.Event()  # cleared while a cancel waits for the lock
+        self._reads_may_start.set()
+        self._cache_bytes: np.ndarray | None = None
+        self._landing: list[_Staged] = []
         self._landing_events: list[torch.cuda.Event] = []
         self._releasing: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         self._failed: set[int] = set()
@@ -334,28 +356,57 @@ class StoreConnectorWorker(KVConnectorWorker):
     # -- load path -----------------------------------------------------------------------------
     def start_load_kv(self, kv_cache: torch.Tensor) -> None:
         """Start this step's fetches in the background (the request stays parked meanwhile)."""
-        self._kv_cache = kv_cache
+        if self._kv_cache is not kv_cache:
+            self._kv_cache = kv_cache
+            if self.read_in_place:  # (L, 2, N, bs * Hkv * D) bytes: a block's chunks, in place
+                self._cache_bytes = (
+                    kv_cache.view(torch.uint8).numpy().reshape(*kv_cache.shape[:3], -1)
+                )
         for spec in self._meta.loads:
             self._loading.add(spec.request_id)
             self._reader.submit(self._fetch, spec)
 
     def _fetch(self, spec: LoadSpec) -> None:
-        """Reader thread: the entries, one staging slot at a time, onto the fetched queue.
-        Never raises: whatever did not arrive intact is a failed block."""
+        """Reader thread: the entries, a slot's worth at a time, onto the fetched queue. Never
+        raises: whatever did not arrive intact is a failed block.
+
+        Staged (CUDA): into a pinned staging slot, copied to the device layer by layer later.
+        In place (CPU): straight into their blocks of the paged cache, under the load lock:
+        a request ended meanwhile is cancelled under that lock (``get_finished``, before the next
+        ``schedule`` can hand its blocks to anyone else), so no read ever writes into a block
+        that is no longer this request's. A failed entry leaves its block to be recomputed."""
         n = len(spec.keys)
         for lo in range(0, n, self.per_slot):
             hi = min(n, lo + self.per_slot)
-            slot = self.load_ring.acquire()
-            staged = layer_major(slot, hi - lo, self.spec)
-            try:
-                ok = self.store.get_many_into(
-                    spec.keys[lo:hi], spec.num_tokens[lo:hi], entry_chunks(staged)
-                )
-            except Exception:  # a store bug must cost a recompute, never a wrong token
-                logger.exception("KV load failed for %s", spec.request_id)
-                ok = [False] * (hi - lo)
             ids = spec.block_ids[lo:hi]
-            self._fetched.put(_Fetched(spec.request_id, ids, ok, slot, staged, hi == n))
+            if not self.read_in_place:
+                slot = self.load_ring.acquire()
+                staged = layer_major(slot, hi - lo, self.spec)
+                ok = self._get(spec, lo, hi, entry_chunks(staged))
+                self._fetched.put(_Staged(spec.request_id, ids, ok, hi == n, slot, staged))
+                continue
+            self._reads_may_start.wait()  # a waiting cancel goes first (the lock is not fair)
+            with self._load_lock:
+                if spec.request_id in self._cancelled:
+                    self._fetched.put(_Read(spec.request_id, ids, [False] * len(ids), True))
+                    return
+                ok = self._get(spec, lo, hi, [self._block_chunks(b) for b in ids])
+            self._fetched.put(_Read(spec.request_id, ids, ok, hi == n))
+
+    def _get(self, spec: LoadSpec, lo: int, hi: int, out: list[list[memoryview]]) -> list[bool]:
+        try:
+            return self.store.get_many_into(spec.keys[lo:hi], spec.num_tokens[lo:hi], out)
+        except Exception:  # a store bug must cost a recompute, never a wrong token
+            logger.exception("KV load failed for %s", spec.request_id)
+            return [False] * (hi - lo)
+
+    def _block_chunks(self, block_id: int) -> list[memoryview]:
+        """A block's K and V of every layer in the paged cache: one entry's payload, in order."""
+        raw = self._cache_bytes
+        assert raw is not None
+        return [
+            memoryview(raw[layer, kv, block_id]) for layer in range(raw.shape[0]) for kv in (0, 1)
+        ]
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Layer ``layer`` of every fetched load is in the paged cache before that layer's
@@ -379,7 +430,7 @@ class StoreConnectorWorker(KVConnectorWorker):
                 self._release_after_copy(item.slot)
             self._landing = []
 
-    def _scatter_layer(self, layer: int, item: _Fetched) -> None:
+    def _scatter_layer(self, layer: int, item: _Staged) -> None:
         """CPU: one layer of a fetched slot into the cache (good entries only)."""
         assert self._kv_cache is not None
         good = [i for i, hit in enumerate(item.ok) if hit]
@@ -391,17 +442,21 @@ class StoreConnectorWorker(KVConnectorWorker):
             src = src.index_select(0, torch.tensor(good))
         self._kv_cache[layer].index_copy_(1, ids, src.transpose(0, 1))
 
-    def _queue_landing(self, items: list[_Fetched]) -> list[torch.cuda.Event]:
+    def _queue_landing(self, items: list[_Staged]) -> list[torch.cuda.Event]:
         """CUDA: per layer, host→device copy of each slot's layer and one scatter into the
         cache, on the load stream after the compute stream's work so far; an event per layer."""
         assert self._kv_cache is not None and self._load_stream is not None
-        self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
         plans = []
         for item in items:
             good = [i for i, hit in enumerate(item.ok) if hit]
             ids = to_device([item.block_ids[i] for i in good], torch.int64, self.device)
             sel = to_device(good, torch.int64, self.device) if len(good) < len(item.ok) else None
+            for t in (ids, sel):  # made on the compute stream, read on the load stream
+                if t is not None:
+                    t.record_stream(self._load_stream)
             plans.append((item, ids, sel))
+        # after the index copies above, and after every earlier write into these blocks
+        self._load_stream.wait_stream(torch.cuda.current_stream(self.device))
         events = []
         with torch.cuda.stream(self._load_stream):
             for layer in range(self.spec.num_layers):
@@ -416,7 +471,7 @@ class StoreConnectorWorker(KVConnectorWorker):
                 events.append(event)
         return events
 
-    def _land_now(self, item: _Fetched) -> None:
+    def _land_now(self, item: _Staged) -> None:
         """A fetched slot that is not its request's last: into the cache at once, all layers."""
         if self._kv_cache is None:
             self.load_ring.release(item.slot)
@@ -440,10 +495,14 @@ class StoreConnectorWorker(KVConnectorWorker):
     def get_finished(self, request_ids: set[str]) -> tuple[set[str], set[str]]:
         """``request_ids``: requests the scheduler ended since the last call (their loads are
         dropped, never scattered into blocks that may already be reused)."""
-        for request_id in request_ids:
-            self._pending_saves.pop(request_id, None)
-            if request_id in self._loading:
-                self._cancelled.add(request_id)
+        if request_ids:
+            self._reads_may_start.clear()
+            with self._load_lock:  # after this, no read writes into an ended request's blocks
+                for request_id in request_ids:
+                    self._pending_saves.pop(request_id, None)
+                    if request_id in self._loading:
+                        self._cancelled.add(request_id)
+            self._reads_may_start.set()
         self._landing = [item for item in self._landing if item.request_id not in request_ids]
         done_loading = self._drain_fetched()
         self._releasing = [(e, s) for e, s in self._releasing if not self._release_if_done(e, s)]
@@ -460,7 +519,8 @@ class StoreConnectorWorker(KVConnectorWorker):
             if item.last:
                 self._loading.discard(item.request_id)
             if item.request_id in self._cancelled:
-                self.load_ring.release(item.slot)
+                if isinstance(item, _Staged):
+                    self.load_ring.release(item.slot)
                 if item.last:
                     self._cancelled.discard(item.request_id)
                 continue
@@ -468,7 +528,10 @@ class StoreConnectorWorker(KVConnectorWorker):
             self._failed.update(b for b, hit in zip(item.block_ids, item.ok) if not hit)
             self.num_loaded_blocks += good
             self.num_failed_blocks += len(item.ok) - good
-            if item.last:
+            if isinstance(item, _Read):  # read in place (CPU)
+                if item.last:
+                    done.add(item.request_id)
+            elif item.last:
                 self._landing.append(item)
                 done.add(item.request_id)
             else:

@@ -262,12 +262,14 @@ def test_offline_llm_knobs(tmp_path):
 
 
 def test_loaded_kv_lands_layer_by_layer(tmp_path, colocated):
-    """Compute starts before the last layer has arrived: when layer 0 attends, the loaded blocks
-    are in the paged cache for layer 0 but not yet for the last layer."""
+    """Staged loads (the CUDA path, run here on CPU): compute starts before the last layer has
+    arrived — when layer 0 attends, the loaded blocks are in the paged cache for layer 0 but not
+    yet for the last layer."""
     url = f"file://{tmp_path}/kv"
     ps = prompts((64,), seed=31)
     consumer = engine(url, "consumer")
     worker = consumer.runner.connector
+    worker.read_in_place = False  # the CPU default reads straight into the cache
     real_wait = worker.wait_for_layer_load
     seen = []
 
@@ -284,4 +286,51 @@ def test_loaded_kv_lands_layer_by_layer(tmp_path, colocated):
     assert tokens == reference(colocated, ps, True)
     assert rest["0"]["loaded"] == 64
     assert seen == [(True, False)]  # layer 0 in place, the last layer still on its way
+    consumer.close()
+
+
+def test_in_place_load_of_an_aborted_request_stops_before_its_blocks_are_reused(tmp_path):
+    """CPU loads read straight into the paged cache. A request aborted mid-load: the next
+    ``get_finished`` waits for the read in progress, and no later part of it is read, so the
+    blocks freed by the abort are never written by the store afterwards."""
+    import threading
+    import time
+
+    url = f"file://{tmp_path}/kv"
+    ps = prompts((100,), seed=41)
+    producer = engine(url, "producer")
+    first = run(producer, [("0", ps[0], params(1, True), None)])
+    producer.close()
+    consumer = EngineCore(
+        EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role="consumer")
+    )
+    worker = consumer.runner.connector
+    assert worker.read_in_place
+    worker.per_slot = 2  # several reads per request
+    store, events = worker.store, []
+    real_get, gate = store.get_many_into, threading.Event()
+
+    def slow_get(keys, *args, **kwargs):
+        events.append(time.monotonic())
+        gate.wait(5)  # the first read waits for the timer; later ones take 50 ms each
+        time.sleep(0.05)
+        return real_get(keys, *args, **kwargs)
+
+    store.get_many_into = slow_get
+    consumer.add_request("0", ps[0], params(4, True), output_token_ids=first["0"]["tokens"])
+    consumer.step()  # the load starts; the reader sits in its first read
+    while not events:
+        time.sleep(0.001)
+    consumer.abort(["0"])
+    threading.Timer(0.2, gate.set).start()
+    start = time.monotonic()
+    consumer.step()  # get_finished: waits for the read in progress, cancels the rest
+    cancelled_at = time.monotonic()
+    assert cancelled_at - start >= 0.15
+    time.sleep(0.3)
+    consumer.step()
+    assert all(t < cancelled_at for t in events)  # no read started after the cancel
+    assert len(events) < 4  # and the request's last parts were never read
+    consumer.check_integrity()
+    assert consumer.num_free_blocks() == consumer.runner.num_blocks
     consumer.close()
