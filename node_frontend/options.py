@@ -106,7 +106,11 @@ class NodeOptions:
 # (flag, converter, help); the option name is the flag without dashes, '-' → '_'
 _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--model", str, "built-in model name or HF directory (default tiny-llama)"),
-    ("--kv-store", str, "KV store URL: redis://host:port/db or file:///dir (required)"),
+    (
+        "--kv-store",
+        str,
+        "KV store URL: shm:///dir, file:///dir, redis://host:port/db, redis+cluster://… (required)",
+    ),
     ("--host", str, "address to bind (default 127.0.0.1)"),
     ("--port", int, "port to bind; 0 = ephemeral (default: {port})"),
     ("--advertise-address", str, "host:port the router should call (default host:port)"),

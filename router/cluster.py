@@ -1,13 +1,14 @@
 """``pdserve up``: a complete cluster on this machine with one command.
 
-    pdserve up                                      # file store, router, 1 prefill + 1 decode
+    pdserve up                                      # shm arena, router, 1 prefill + 1 decode
     pdserve up --prefill 2 --decode 2 --kv-store redis
     pdserve up --autoscale --prefill-max 4 --decode-max 4 --slo ttft=500,tpot=50
     pdserve up --demo                               # start, sample traffic + SLO report, stop
 
-Start order: the KV store (``file``: a fresh directory under /dev/shm; ``redis``: a private
-``redis-server`` on a free port with persistence off and ``allkeys-lru``; or any ``redis://`` /
-``file://`` URL), the router, then the nodes - started here, or with ``--autoscale`` by the
+Start order: the KV store (``shm``, the default: one preallocated shared-memory arena in a fresh
+directory under /dev/shm, ``--kv-store-capacity`` big; ``file``: a file per entry there;
+``redis``: a private ``redis-server`` on a free port with persistence off and ``allkeys-lru``; or
+any store URL), the router, then the nodes - started here, or with ``--autoscale`` by the
 router's local actuator so that the autoscaler owns every node. Once the router's ``/health``
 counts every node, the endpoints are printed.
 
@@ -89,6 +90,15 @@ def _workdir() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"pdserve-{os.getpid()}-", dir=parent))
 
 
+def _store_capacity(workdir: Path, asked: str) -> int:
+    """Bytes for a local store: as asked, but at most a quarter of the filesystem it lives on
+    (the shm arena allocates all of it up front)."""
+    from kv_store.url import parse_size  # light: no torch
+
+    st = os.statvfs(workdir)
+    return min(parse_size(asked), st.f_frsize * st.f_blocks // 4)
+
+
 class Cluster:
     """The processes of one ``pdserve up``; :meth:`start` in order, :meth:`stop` in reverse."""
 
@@ -117,9 +127,10 @@ class Cluster:
 
     async def _start_kv_store(self) -> str:
         spec = self.config.kv_store
-        if spec == "file":
+        if spec in ("shm", "file"):
             (self.workdir / "kv").mkdir()
-            return f"file://{self.workdir / 'kv'}"
+            capacity = _store_capacity(self.workdir, self.config.kv_store_capacity)
+            return f"{spec}://{self.workdir / 'kv'}?capacity={capacity}"
         if spec != "redis":
             return spec
         port = _free_port()

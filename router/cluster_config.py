@@ -22,7 +22,15 @@ from pathlib import Path
 from router.autoscaler import PoolLimits
 from router.slo import parse_slo
 
-KV_STORES = ("file", "redis")
+KV_STORES = ("shm", "file", "redis")
+KV_URL_SCHEMES = (
+    "redis://",
+    "rediss://",
+    "redis+cluster://",
+    "rediss+cluster://",
+    "file://",
+    "shm://",
+)
 
 
 def cuda_present() -> bool:
@@ -38,7 +46,8 @@ class ClusterConfig:
     model: str = "tiny-llama"
     prefill: int = 1
     decode: int = 1
-    kv_store: str = "file"  # file | redis | redis://… | file:///…
+    kv_store: str = "shm"  # shm | file | redis | a store URL
+    kv_store_capacity: str = "4GiB"  # shm/file: the store's size (capped to a quarter of tmpfs)
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051
@@ -62,9 +71,10 @@ class ClusterConfig:
     startup_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not (self.kv_store in KV_STORES or self.kv_store.startswith(("redis://", "file://"))):
+        if not (self.kv_store in KV_STORES or self.kv_store.startswith(KV_URL_SCHEMES)):
             raise ValueError(
-                f"--kv-store must be file, redis, redis://… or file:///…: {self.kv_store!r}"
+                f"--kv-store must be shm, file, redis or a store URL ({', '.join(KV_URL_SCHEMES)}"
+                f"…): {self.kv_store!r}"
             )
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
@@ -79,6 +89,7 @@ class ClusterConfig:
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
         return cls(
             model=args.model, prefill=args.prefill, decode=args.decode, kv_store=args.kv_store,
+            kv_store_capacity=args.kv_store_capacity,
             host=args.host, port=args.port, grpc_port=args.grpc_port, api_key=args.api_key,
             device=args.device, cpu_threads=args.cpu_threads,
             gpus=tuple(g.strip() for g in (args.gpus or "").split(",") if g.strip()),
@@ -130,7 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--decode", type=int, default=d.decode, help="decode instances (initial, with --autoscale)")
     a("--kv-store", default=d.kv_store,
-      help="file (a fresh /dev/shm dir, default), redis (a private redis-server), or a URL")  # fmt: skip
+      help="shm (one shared-memory arena, default), file (a file per entry), redis (a private"
+           " redis-server), or a store URL")  # fmt: skip
+    a("--kv-store-capacity", default=d.kv_store_capacity,
+      help="shm/file store size, e.g. 8GiB (default 4GiB, at most a quarter of /dev/shm)")  # fmt: skip
     a("--host", default=d.host, help="router bind address (default 127.0.0.1; nodes stay on it)")
     a("--port", type=int, default=d.port, help="router HTTP port (0: any free port)")
     a("--grpc-port", type=int, default=d.grpc_port, help="router gRPC port (0: any free port)")

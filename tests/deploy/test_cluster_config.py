@@ -18,11 +18,13 @@ def config(*argv: str) -> ClusterConfig:
     return ClusterConfig.from_args(build_parser().parse_args(["up", *argv]))
 
 
-def test_defaults_bind_loopback_and_use_a_file_store() -> None:
+def test_defaults_bind_loopback_and_use_a_shm_arena() -> None:
     c = config()
     assert (c.host, c.port, c.grpc_port, c.kv_store, c.model) == (
-        "127.0.0.1", 8000, 50051, "file", "tiny-llama",
+        "127.0.0.1", 8000, 50051, "shm", "tiny-llama",
     )  # fmt: skip
+    assert c.kv_store_capacity == "4GiB"
+    assert config("--kv-store", "redis+cluster://127.0.0.1:7000").kv_store.startswith("redis+")
     assert (c.prefill, c.decode, c.autoscale, c.demo) == (1, 1, False, False)
 
 

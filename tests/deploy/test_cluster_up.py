@@ -36,7 +36,7 @@ def test_up_serves_a_request_and_ctrl_c_stops_everything(tmp_path: Path) -> None
         raise
     assert up.stop(signal.SIGINT) == 0, up.output
     assert up.leftovers() == [], up.output
-    kv_dir = re.search(r"KV store\s+file://(\S+)", up.output)
+    kv_dir = re.search(r"KV store\s+shm://([^?\s]+)", up.output)
     assert kv_dir is not None and not Path(kv_dir.group(1)).exists()  # temp store removed
     assert "did not stop" not in up.output  # every child exited on its own
 
