@@ -85,7 +85,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _check_args(x)
     check_runnable(_silu_and_mul_kernel, x.device)
     num_tokens, intermediate = x.shape[0], x.shape[1] // 2
-    out = torch.empty((num_tokens, intermediate), dtype=x.dtype, device=x.device)
+    out = x.new_empty(num_tokens, intermediate)
     if out.numel() == 0:
         return out
     tile = min(next_power_of_two(intermediate), _MAX_TILE)
@@ -104,12 +104,13 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     """:func:`silu_and_mul` on a CPU tensor by the native kernel (float16, or no compiler: the
     ref)."""
     _check_args(x)
-    check(x.is_cpu, f"the native kernels need CPU tensors, got {x.device}")
+    native.check_cpu(x)
     lib = native.library_for(x.dtype)
     if lib is None:
         return ref_silu_and_mul(x)
-    num_tokens, intermediate = x.shape[0], x.shape[1] // 2
-    out = x.new_empty((num_tokens, intermediate))
+    num_tokens, width = x.shape
+    intermediate = width // 2
+    out = x.new_empty(num_tokens, intermediate)
     lib.pdserve_silu_and_mul(
         out.data_ptr(),
         x.data_ptr(),

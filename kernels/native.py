@@ -1,12 +1,13 @@
 """The native CPU kernels: the C sources of ``csrc/`` built on first use into one library.
 
 ``paged_attention_cpu.c`` (decode attention over the paged cache) and ``fused_ops_cpu.c``
-(RMSNorm, SiLU-and-mul, RoPE + cache write) are compiled with the machine's C compiler (``$CC``,
-else ``cc``/``gcc``/``clang``) for the host CPU, each with its own flags, and linked into one
-shared library in ``<cache root>/kernels/<key>/`` (``common.cache_dir``: built once, published
-atomically, safe from several processes at once). Building takes about two seconds; the key
-hashes the sources, the flags, the compiler and the CPU's feature flags, so a cache shared
-between machines never hands one a library built for another's instruction set.
+(RMSNorm, SiLU-and-mul, RoPE + cache write) share the element types of ``bf16.h``; they are
+compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the host CPU,
+each with its own flags, and linked into one shared library in ``<cache root>/kernels/<key>/``
+(``common.cache_dir``: built once, published atomically, safe from several processes at once).
+Building takes about two seconds; the key hashes the sources and headers, the flags, the
+compiler and the CPU's feature flags, so a cache shared between machines never hands one a
+library built for another's instruction set.
 
 The library is called through ``ctypes``, which releases the GIL for the duration of a call. No
 compiler, or a failed build: :func:`load_library` logs why once and returns ``None``, and every
@@ -54,6 +55,8 @@ SOURCES = (
         (*_COMMON_FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"),
     ),
 )
+# What the sources `#include "..."`: found through `-I csrc`, hashed into the cache key.
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LIB_NAME = "pdserve_cpu.so"
 
@@ -104,6 +107,12 @@ def library_for(dtype: torch.dtype) -> ctypes.CDLL | None:
     return load_library() if dtype in DTYPE_CODES else None
 
 
+def check_cpu(tensor: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``tensor`` is on the CPU (the message is built only then)."""
+    if not tensor.is_cpu:
+        raise ValueError(f"the native kernels need CPU tensors, got {tensor.device}")
+
+
 def _open(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, argtypes in _PROTOTYPES.items():
@@ -135,6 +144,7 @@ def _cache_key(cc: str) -> str:
     parts = [cc, " ".join(_LINK_FLAGS), _cpu_flags(), platform.machine()]
     for source in SOURCES:
         parts += [source.path.read_text(), " ".join(source.flags)]
+    parts += [header.read_text() for header in HEADERS]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -144,7 +154,7 @@ def _build() -> Path:
     def compile_into(out: Path) -> None:
         objects = [out / source.path.with_suffix(".o").name for source in SOURCES]
         commands = [
-            [cc, *source.flags, "-c", str(source.path), "-o", str(obj)]
+            [cc, *source.flags, "-I", str(_CSRC), "-c", str(source.path), "-o", str(obj)]
             for source, obj in zip(SOURCES, objects, strict=True)
         ]
         commands.append([cc, *_LINK_FLAGS, *map(str, objects), "-o", str(out / _LIB_NAME), "-lm"])

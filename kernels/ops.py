@@ -19,6 +19,9 @@ again (``importlib.reload``, a second module name) keeps the first registration.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from kernels import cpu_attention
@@ -45,29 +48,13 @@ SCHEMAS = {
 }
 
 
-def _paged_decode_attention_cpu(
-    query: torch.Tensor,
-    kv_cache_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    max_seq_len: int,
-    scale: float,
-) -> torch.Tensor:
-    """:func:`kernels.cpu_attention.paged_decode_attention` into a new ``out``; rows whose
-    query length is not 1 are left unwritten (uninitialised)."""
-    out = torch.empty_like(query)
-    return cpu_attention.paged_decode_attention(
-        query, kv_cache_layer, block_tables, seq_lens, query_start_loc, max_seq_len, scale, out
-    )
-
-
 _IMPLS = {  # op -> (CPU, CUDA)
     "rms_norm": (rms_norm_cpu, rms_norm),
     "fused_add_rms_norm": (fused_add_rms_norm_cpu, fused_add_rms_norm),
     "silu_and_mul": (silu_and_mul_cpu, silu_and_mul),
     "rotary_embedding_and_cache": (rotary_embedding_and_cache_cpu, rotary_embedding_and_cache),
-    "paged_decode_attention_cpu": (_paged_decode_attention_cpu, None),
+    # out=None: a new output, the rows of sequences whose query length is not 1 unwritten
+    "paged_decode_attention_cpu": (cpu_attention.paged_decode_attention, None),
 }
 
 
@@ -75,7 +62,7 @@ def _rows_like(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], width))
 
 
-_FAKES = {  # the output shapes, for meta tensors
+_FAKES: dict[str, Callable[..., Any]] = {  # the output shapes, for meta tensors
     "rms_norm": lambda x, weight, eps: _rows_like(x, x.shape[1]),
     "fused_add_rms_norm": lambda x, residual, weight, eps: (
         _rows_like(x, x.shape[1]),

@@ -120,8 +120,8 @@ def _launch(
     check_runnable(_rms_norm_kernel, x.device)
     num_tokens, hidden = x.shape
     check(hidden <= _MAX_HIDDEN, f"hidden size {hidden} > {_MAX_HIDDEN}: one row per tile")
-    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
-    residual_out = None if residual is None else torch.empty_like(out)
+    out = x.new_empty(num_tokens, hidden)
+    residual_out = None if residual is None else x.new_empty(num_tokens, hidden)
     if num_tokens == 0:
         return out, residual_out
     block = next_power_of_two(hidden)
@@ -170,22 +170,23 @@ def _native(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check_args(x, weight, residual)
-    check(x.is_cpu, f"the native kernels need CPU tensors, got {x.device}")
+    native.check_cpu(x)  # the others are on x's device
     lib = native.library_for(x.dtype)
     if lib is None:
         if residual is None:
             return ref_rms_norm(x, weight, eps), None
         return ref_fused_add_rms_norm(x, residual, weight, eps)
-    out = torch.empty_like(x)  # row-major (T, hidden), x dense or row-strided
-    residual_out = None if residual is None else torch.empty_like(out)
+    num_tokens, hidden = x.shape
+    out = x.new_empty(num_tokens, hidden)  # row-major, whatever x's row stride
+    residual_out = None if residual is None else x.new_empty(num_tokens, hidden)
     failed = lib.pdserve_rms_norm(
         out.data_ptr(),
         None if residual_out is None else residual_out.data_ptr(),
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
         weight.data_ptr(),
-        x.shape[0],
-        x.shape[1],
+        num_tokens,
+        hidden,
         x.stride(0),
         0 if residual is None else residual.stride(0),
         eps,

@@ -112,61 +112,47 @@ def _rotary_embedding_and_cache_kernel(
     tl.store(k_dst + stride_cache_kv + HALF, tl.load(v + HALF, mask=mask), mask=mask)
 
 
-def _check_args(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv_cache_layer: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-) -> None:
+# The op's arguments in its schema's order: (qkv, positions, cos_sin_cache, kv_cache_layer,
+# slot_mapping, num_heads, num_kv_heads). The launchers hand them to the checks as one tuple.
+_Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def _check_args(args: _Args) -> None:
     """Shared by all implementations. A valid call (once per layer per step) is vetted by one
     cheap expression; the ``kernels._common`` checks explain a failure."""
-    kv = kv_cache_layer
-    head_dim = kv.shape[-1] if kv.dim() == 5 else 0
-    ok = (
-        kv.dim() == 5
-        and kv.shape[0] == 2
-        and kv.shape[3] == num_kv_heads
-        and 0 < num_kv_heads <= num_heads
-        and num_heads % num_kv_heads == 0
-        and head_dim % 2 == 0
-        and head_dim <= _MAX_HEAD_DIM
-        and kv.dtype in FLOAT_DTYPES
-        and kv.stride(4) == 1
-        and kv.stride(3) == head_dim
-        and kv.stride(2) == num_kv_heads * head_dim
-        and qkv.dim() == 2
-        and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
-        and qkv.dtype == kv.dtype
-        and qkv.stride(1) == 1
-        and cos_sin_cache.dim() == 2
-        and cos_sin_cache.shape[1] == head_dim
-        and cos_sin_cache.dtype == kv.dtype
-        and cos_sin_cache.is_contiguous()
-        and positions.shape == qkv.shape[:1]
-        and positions.dtype == torch.int64
-        and positions.is_contiguous()
-        and slot_mapping.shape == qkv.shape[:1]
-        and slot_mapping.dtype == torch.int64
-        and slot_mapping.is_contiguous()
-        and qkv.device == kv.device == cos_sin_cache.device
-        and positions.device == slot_mapping.device == kv.device
-    )
-    if not ok:
-        _explain(qkv, positions, cos_sin_cache, kv, slot_mapping, num_heads, num_kv_heads)
+    qkv, positions, cos_sin_cache, kv, slot_mapping, num_heads, num_kv_heads = args
+    if kv.dim() == 5 and qkv.dim() == 2 and cos_sin_cache.dim() == 2:  # the shapes to read
+        two, _, _, kv_heads, head_dim = kv.shape
+        num_tokens, width = qkv.shape
+        dtype = kv.dtype
+        ok = (
+            two == 2
+            and kv_heads == num_kv_heads
+            and 0 < num_kv_heads <= num_heads
+            and num_heads % num_kv_heads == 0
+            and head_dim % 2 == 0
+            and head_dim <= _MAX_HEAD_DIM
+            and dtype in FLOAT_DTYPES
+            and kv.stride()[2:] == (num_kv_heads * head_dim, head_dim, 1)
+            and width == (num_heads + 2 * num_kv_heads) * head_dim
+            and qkv.stride(1) == 1
+            and cos_sin_cache.shape[1] == head_dim
+            and cos_sin_cache.is_contiguous()
+            and positions.shape == slot_mapping.shape == (num_tokens,)
+            and positions.is_contiguous()
+            and slot_mapping.is_contiguous()
+            and qkv.dtype == cos_sin_cache.dtype == dtype
+            and positions.dtype == slot_mapping.dtype == torch.int64
+            and qkv.device == cos_sin_cache.device == kv.device
+            and positions.device == slot_mapping.device == kv.device
+        )
+        if ok:
+            return
+    _explain(args)
 
 
-def _explain(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    kv: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-) -> NoReturn:
+def _explain(args: _Args) -> NoReturn:
+    qkv, positions, cos_sin_cache, kv, slot_mapping, num_heads, num_kv_heads = args
     check_shape("kv_cache_layer", kv, (2, None, None, num_kv_heads, None))
     head_dim = kv.shape[-1]
     check(
@@ -224,11 +210,11 @@ def rotary_embedding_and_cache(
     Returns the rotated queries, a new contiguous ``(T, H, D)`` tensor.
     """
     _check_args(
-        qkv, positions, cos_sin_cache, kv_cache_layer, slot_mapping, num_heads, num_kv_heads
+        (qkv, positions, cos_sin_cache, kv_cache_layer, slot_mapping, num_heads, num_kv_heads)
     )
     check_runnable(_rotary_embedding_and_cache_kernel, qkv.device)
     num_tokens, head_dim = qkv.shape[0], kv_cache_layer.shape[-1]
-    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    q_out = qkv.new_empty(num_tokens, num_heads, head_dim)
     if num_tokens == 0:
         return q_out
     _rotary_embedding_and_cache_kernel[(num_tokens,)](
@@ -266,14 +252,15 @@ def rotary_embedding_and_cache_cpu(
     compiler: the ref). Positions and slots are checked here (they are on the host): one out of
     range raises ``ValueError`` before anything is written."""
     args = (qkv, positions, cos_sin_cache, kv_cache_layer, slot_mapping, num_heads, num_kv_heads)
-    _check_args(*args)
-    check(qkv.is_cpu, f"the native kernels need CPU tensors, got {qkv.device}")
+    _check_args(args)
+    native.check_cpu(qkv)  # the others are on qkv's device
     lib = native.library_for(qkv.dtype)
     if lib is None:
         return ref_rotary_embedding_and_cache(*args)
-    num_tokens, head_dim = qkv.shape[0], kv_cache_layer.shape[-1]
-    _, num_blocks, block_size, _, _ = kv_cache_layer.shape
-    q_out = qkv.new_empty((num_tokens, num_heads, head_dim))
+    _, num_blocks, block_size, _, head_dim = kv_cache_layer.shape
+    num_tokens = qkv.shape[0]
+    cache_strides = kv_cache_layer.stride()
+    q_out = qkv.new_empty(num_tokens, num_heads, head_dim)
     failed = lib.pdserve_rotary_embedding_and_cache(
         q_out.data_ptr(),
         kv_cache_layer.data_ptr(),
@@ -287,8 +274,8 @@ def rotary_embedding_and_cache_cpu(
         head_dim,
         block_size,
         qkv.stride(0),
-        kv_cache_layer.stride(0),
-        kv_cache_layer.stride(1),
+        cache_strides[0],
+        cache_strides[1],
         cos_sin_cache.shape[0],
         num_blocks * block_size,
         native.DTYPE_CODES[qkv.dtype],

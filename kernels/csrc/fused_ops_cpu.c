@@ -31,25 +31,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#include "bf16.h"
 
 #define PARALLEL_MIN_ELEMS (1 << 16)
 
 #define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even, as PyTorch's conversion */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)rounded; /* NaN */
-}
 
 /* Element i of `base` as fp32. `dtype` is a constant wherever this is inlined, so each loop
  * gets a branch-free copy per dtype. */
@@ -66,8 +52,6 @@ INLINE void store(void *base, int64_t i, float value, int dtype) {
 INLINE float round_to(float value, int dtype) {
     return dtype == DTYPE_F32 ? value : bf16_to_f32(f32_to_bf16(value));
 }
-
-#define ELEM_SIZE(dtype) ((dtype) == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t))
 
 /* fn(args, first, last) computes rows [first, last) and returns a status (0 = done). */
 typedef int (*RowsFn)(const void *args, int64_t first, int64_t last);

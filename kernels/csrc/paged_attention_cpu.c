@@ -36,22 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -106,7 +91,7 @@ INLINE void decode_task(void *out, float *partial, const void *query, const void
     const float *qsrc = row_f32(query, q_elem, group * head_dim, dtype, acc);
     for (int i = 0; i < group * head_dim; i++) q[i] = qsrc[i] * scale;
 
-    const size_t elem = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t elem = ELEM_SIZE(dtype);
     const int row_bytes = head_dim * (int)elem;
 #define PREFETCH(cache, b)                                                                     \
     do {                                                                                       \
@@ -222,11 +207,17 @@ static void merge_partials(void *out, const float *partials, int num_parts, int6
         else TASK(HEAD_DIM, DTYPE_BF16);                                                       \
     } while (0)
 
+/* K (or V) elements of a call below which it runs on the calling thread alone: an OpenMP
+ * fork/join costs more than a few short contexts (one 64-token context of 2 kv heads of 32 is
+ * 4096 elements, about 1 us of work) */
+#define PARALLEL_MIN_ELEMS (1 << 15)
+
 #define MIN_PARTITION 256 /* tokens: smaller tasks cost more in merging than they gain */
 
 /* Tokens per task. Decoding few sequences on many threads, whole contexts would leave threads
  * idle (one task per (sequence, kv head)), so contexts are cut into partitions until there are
- * about four tasks per thread, none shorter than MIN_PARTITION; `asked` > 0 forces a size. */
+ * about four tasks per thread, none shorter than MIN_PARTITION; on one thread they stay whole
+ * (a split would only add merging). `asked` > 0 forces a size. */
 static int partition_tokens(int asked, const int32_t *seq_lens, const int32_t *query_start_loc,
                             int num_seqs, int num_kv_heads, int block_size, int max_seq_len,
                             int num_threads) {
@@ -240,7 +231,8 @@ static int partition_tokens(int asked, const int32_t *seq_lens, const int32_t *q
             }
         }
         const int64_t target = 4 * (int64_t)num_threads;
-        if (seqs * num_kv_heads >= target) return max_seq_len > 0 ? max_seq_len : 1;
+        if (num_threads < 2 || seqs * num_kv_heads >= target)
+            return max_seq_len > 0 ? max_seq_len : 1;
         part = (tokens * num_kv_heads + target - 1) / target;
         part = part < MIN_PARTITION ? MIN_PARTITION : part;
     }
@@ -259,13 +251,18 @@ int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
                          int partition_size, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int64_t half = (int64_t)num_blocks * block_size * num_kv_heads * head_dim;
-    const size_t elem = dtype == DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t elem = ELEM_SIZE(dtype);
     const void *k_cache = kv_layer;
     const void *v_cache = (const char *)kv_layer + half * (int64_t)elem;
-    for (int s = 0; s < num_seqs; s++)
+    int64_t tokens = 0; /* of the decode rows' contexts */
+    for (int s = 0; s < num_seqs; s++) {
         if (seq_lens[s] > max_seq_len) return 2;
+        if (query_start_loc[s + 1] - query_start_loc[s] == 1) tokens += seq_lens[s];
+    }
+    /* a few short contexts take less time than waking the other threads would */
+    const int threads = tokens * num_kv_heads * head_dim < PARALLEL_MIN_ELEMS ? 1 : num_threads;
     const int part = partition_tokens(partition_size, seq_lens, query_start_loc, num_seqs,
-                                      num_kv_heads, block_size, max_seq_len, num_threads);
+                                      num_kv_heads, block_size, max_seq_len, threads);
 
     /* the task list: partition i of the decode rows belongs to sequence owner[i] */
     int *first_part = malloc(sizeof(int) * (size_t)(num_seqs + 1));
@@ -295,7 +292,7 @@ int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
         for (int i = first_part[s]; i < first_part[s + 1]; i++) owner[i] = s;
 
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(max : failed)
+#pragma omp parallel if (threads > 1) num_threads(threads) reduction(max : failed)
     {
         const size_t floats = (size_t)(2 * group + block_size) * head_dim + (size_t)group * part;
         float *work = malloc(sizeof(float) * floats);

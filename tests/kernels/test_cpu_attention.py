@@ -153,6 +153,8 @@ BAD_ARGUMENTS = [
     (lambda a: a.update(q=a["q"][:, :3], out=a["out"][:, :3]), "does not fit"),
     (lambda a: a.update(out=a["out"][:1]), "out"),
     (lambda a: a.update(tables=a["tables"].t().contiguous().t()), "contiguous"),
+    (lambda a: a.update(lens=a["lens"][:, None]), "seq_lens must have shape"),
+    (lambda a: a.update(q=a["q"].to("meta"), out=a["out"].to("meta")), "CPU tensors"),
 ]
 
 
@@ -256,6 +258,7 @@ def test_engine_greedy_matches_torch_backend() -> None:
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (1, 16, 17, 45, 70, 130)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     args = dict(model="tiny-llama", max_num_batched_tokens=48, num_blocks=96, max_model_len=512)
+    args["device"] = "cpu"  # the cpu backend needs a CPU engine, also on a CUDA host
     native = LLM(attention_backend="cpu", **args)
     assert native.engine.runner.backend.name == "cpu"
     reference = LLM(attention_backend="torch", **args)

@@ -24,10 +24,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels.ops
 from kernels import cpu_attention, native
-from kernels.activation import ref_silu_and_mul
+from kernels.activation import ref_silu_and_mul, silu_and_mul_cpu
 from kernels.paged_decode_attention import ref_paged_decode_attention
-from kernels.rms_norm import ref_fused_add_rms_norm, ref_rms_norm
-from kernels.rotary import ref_rotary_embedding_and_cache
+from kernels.rms_norm import (
+    fused_add_rms_norm_cpu,
+    ref_fused_add_rms_norm,
+    ref_rms_norm,
+    rms_norm_cpu,
+)
+from kernels.rotary import ref_rotary_embedding_and_cache, rotary_embedding_and_cache_cpu
 from tests.kernels.conftest import build_paged_context
 from tests.kernels.test_rotary import rotary_inputs
 
@@ -210,8 +215,12 @@ def _bad_silu(change):
     return lambda: OPS.silu_and_mul(**args)
 
 
+def _rope_args():
+    return rotary_inputs(torch.float32, 16, 4, 2, 64, CPU)
+
+
 def _bad_rotary(change):
-    args = rotary_inputs(torch.float32, 16, 4, 2, 64, CPU)._asdict()
+    args = _rope_args()._asdict()
     change(args)
     return lambda: OPS.rotary_embedding_and_cache(*args.values())
 
@@ -230,10 +239,12 @@ BAD_ARGUMENTS = [
     (_bad_rotary, lambda a: a.update(num_kv_heads=3), "kv_cache_layer must have shape"),
     (_bad_rotary, lambda a: a.update(num_heads=3), "positive multiple of num_kv_heads"),
     (_bad_rotary, lambda a: a.update(qkv=a["qkv"][:, :-64]), "qkv must have shape"),
+    (_bad_rotary, lambda a: a.update(qkv=a["qkv"][None]), "qkv must have shape"),
     (_bad_rotary, lambda a: a.update(qkv=a["qkv"].double()), "qkv must have dtype"),
     (_bad_rotary, lambda a: a.update(positions=a["positions"].int()), "positions must have dtype"),
     (_bad_rotary, lambda a: a.update(slot_mapping=a["slot_mapping"][:3]), "slot_mapping must"),
     (_bad_rotary, lambda a: a.update(cos_sin_cache=a["cos_sin_cache"][:, :32]), "cos_sin_cache"),
+    (_bad_rotary, lambda a: a.update(cos_sin_cache=a["cos_sin_cache"][0]), "cos_sin_cache must"),
     (
         _bad_rotary,
         lambda a: a.update(kv_cache_layer=a["kv_cache_layer"].transpose(2, 3).contiguous()),
@@ -252,6 +263,22 @@ def test_rejects_bad_arguments(make, change, message) -> None:
     call = make(change)
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_native_launchers_refuse_other_devices() -> None:
+    """Called directly (not through the dispatcher, which routes only CPU tensors to them), the
+    launchers refuse a device whose memory the C code cannot read."""
+    x, weight = torch.randn(3, 64, device="meta"), torch.randn(64, device="meta")
+    rope = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in _rope_args()]
+    calls = [
+        lambda: rms_norm_cpu(x, weight, EPS),
+        lambda: fused_add_rms_norm_cpu(x, x, weight, EPS),
+        lambda: silu_and_mul_cpu(x),
+        lambda: rotary_embedding_and_cache_cpu(*rope),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="need CPU tensors, got meta"):
+            call()
 
 
 class _OpCounter(TorchDispatchMode):
@@ -329,6 +356,7 @@ def test_each_source_compiles_with_its_own_flags(monkeypatch, tmp_path) -> None:
     built = native._build()
     *compiles, link = calls
     assert [cmd[cmd.index("-c") + 1] for cmd in compiles] == [str(s.path) for s in native.SOURCES]
+    assert all(cmd[cmd.index("-I") + 1] == str(native.HEADERS[0].parent) for cmd in compiles)
     attention, fused = compiles
     assert "-ffast-math" in attention
     assert "-ffp-contract=off" in fused and "-ffast-math" not in fused
@@ -336,3 +364,14 @@ def test_each_source_compiles_with_its_own_flags(monkeypatch, tmp_path) -> None:
     assert "-ffast-math" not in link  # linking it would turn on flush-to-zero process-wide
     assert Path(link[link.index("-o") + 1]).name == built.name  # in a temp dir, then published
     assert built.is_file() and built.parent.parent == tmp_path / "kernels"
+
+
+def test_a_header_change_is_a_new_build(monkeypatch, tmp_path) -> None:
+    """The cache key hashes the headers the sources include, not only the sources."""
+    assert "bf16.h" in [h.name for h in native.HEADERS]
+    header = tmp_path / "bf16.h"
+    header.write_text(native.HEADERS[0].read_text())
+    monkeypatch.setattr(native, "HEADERS", (header,))
+    key = native._cache_key("cc")
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    assert native._cache_key("cc") != key
