@@ -70,9 +70,9 @@ def decode_roofline(llm: LLM, batch: int, context: int, steps: int = 32) -> dict
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"roof{i}", [3 + (i + j) % 97 for j in range(context)], params)
-    produced = 0
-    while produced < batch:  # prefill everything first; each request yields its first token
-        produced += sum(1 for _ in engine.step())
+    started: set[str] = set()
+    while len(started) < batch:  # prefill everything first: each request yields a first token
+        started.update(out.request_id for out in engine.step())
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else lambda: None
     sync()
     start = time.perf_counter()
