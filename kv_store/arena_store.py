@@ -76,7 +76,7 @@ from kv_store.base import (
     StoreStats,
     check_lengths,
 )
-from kv_store.io_workers import BatchPool, as_payload, chunk_list, default_workers, preadv_all
+from kv_store.io_workers import BatchPool, as_payload, default_workers, preadv_all
 
 # ArenaStore, and the layout names that callers import from this module
 __all__ = ["COMMITTED", "FREE", "SUFFIX", "WRITING", "ArenaGeometryError", "ArenaStore",
@@ -179,7 +179,7 @@ class ArenaStore(KVStore):
     ) -> list[bool]:
         check_lengths(keys, payloads, num_tokens)
         self._check_owner()
-        chunks = [chunk_list(p) for p in payloads]
+        chunks = [entry.chunk_views(p) for p in payloads]
         sizes = {entry.payload_size(c) for c in chunks} - {self.payload_bytes}
         if sizes:
             raise ValueError(f"payloads of {sorted(sizes)} B in an arena of {self.payload_bytes} B")
@@ -318,7 +318,7 @@ class ArenaStore(KVStore):
     ) -> list[bool]:
         check_lengths(keys, num_tokens, out)
         self._check_owner()
-        dsts = [chunk_list(o) for o in out]
+        dsts = [entry.chunk_views(o) for o in out]
         found = self._pool.map(
             lambda i: self._read_slot(keys[i], num_tokens[i], dsts[i]),
             len(keys),

@@ -255,6 +255,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._done_saving: set[str] = set()
         # load: fetched slots arrive on a queue from the reader; a request's last slot waits
         # in ``_landing`` for the next forward pass, earlier ones land at once
+        self._to_fetch: queue.SimpleQueue[LoadSpec] = queue.SimpleQueue()
         self._fetched: queue.SimpleQueue[_Read | _Staged] = queue.SimpleQueue()
         self._loading: set[str] = set()
         self._cancelled: set[str] = set()
@@ -364,34 +365,81 @@ class StoreConnectorWorker(KVConnectorWorker):
                 )
         for spec in self._meta.loads:
             self._loading.add(spec.request_id)
-            self._reader.submit(self._fetch, spec)
+            self._to_fetch.put(spec)
+        if self._meta.loads:
+            self._reader.submit(self._fetch_queued)
 
-    def _fetch(self, spec: LoadSpec) -> None:
-        """Reader thread: the entries, a slot's worth at a time, onto the fetched queue. Never
-        raises: whatever did not arrive intact is a failed block.
+    def _fetch_queued(self) -> None:
+        """Reader thread: every load queued so far (earlier submissions may have taken them all),
+        onto the fetched queue. Never raises: whatever did not arrive intact is a failed block.
 
-        Staged (CUDA): into a pinned staging slot, copied to the device layer by layer later.
-        In place (CPU): straight into their blocks of the paged cache, under the load lock:
-        a request ended meanwhile is cancelled under that lock (``get_finished``, before the next
-        ``schedule`` can hand its blocks to anyone else), so no read ever writes into a block
-        that is no longer this request's. A failed entry leaves its block to be recomputed."""
+        Staged (CUDA): a slot's worth at a time into pinned staging, copied to the device layer
+        by layer later. In place (CPU): straight into their blocks of the paged cache, the loads
+        of several requests batched into one store call (fewer, fuller batches for the store's
+        workers), under the load lock: a request ended meanwhile is cancelled under that lock
+        (``get_finished``, before the next ``schedule`` can hand its blocks to anyone else), so
+        no read ever writes into a block that is no longer its request's. A failed entry leaves
+        its block to be recomputed."""
+        specs = []
+        while True:
+            try:
+                specs.append(self._to_fetch.get_nowait())
+            except queue.Empty:
+                break
+        try:
+            if self.read_in_place:
+                self._read_in_place(specs)
+            else:
+                for spec in specs:
+                    self._read_staged(spec)
+        except Exception:  # a bug here must cost a recompute, never a request parked forever
+            logger.exception("KV reader failed; %d loads fall back to recompute", len(specs))
+            for spec in specs:  # every block failed: the scheduler recomputes the prompt
+                failed = [False] * len(spec.block_ids)
+                self._fetched.put(_Read(spec.request_id, spec.block_ids, failed, True))
+
+    def _read_staged(self, spec: LoadSpec) -> None:
         n = len(spec.keys)
         for lo in range(0, n, self.per_slot):
             hi = min(n, lo + self.per_slot)
+            slot = self.load_ring.acquire()
+            staged = layer_major(slot, hi - lo, self.spec)
+            ok = self._get(spec, lo, hi, entry_chunks(staged))
             ids = spec.block_ids[lo:hi]
-            if not self.read_in_place:
-                slot = self.load_ring.acquire()
-                staged = layer_major(slot, hi - lo, self.spec)
-                ok = self._get(spec, lo, hi, entry_chunks(staged))
-                self._fetched.put(_Staged(spec.request_id, ids, ok, hi == n, slot, staged))
-                continue
+            self._fetched.put(_Staged(spec.request_id, ids, ok, hi == n, slot, staged))
+
+    def _read_in_place(self, specs: list[LoadSpec]) -> None:
+        """Batches of up to ``per_slot`` entries across requests, in order; each request's
+        part of a batch is reported as one ``_Read`` (its last one with ``last``)."""
+        items = [(spec, i) for spec in specs for i in range(len(spec.keys))]
+        for lo in range(0, len(items), self.per_slot):
+            batch = items[lo : lo + self.per_slot]
             self._reads_may_start.wait()  # a waiting cancel goes first (the lock is not fair)
             with self._load_lock:
-                if spec.request_id in self._cancelled:
-                    self._fetched.put(_Read(spec.request_id, ids, [False] * len(ids), True))
-                    return
-                ok = self._get(spec, lo, hi, [self._block_chunks(b) for b in ids])
-            self._fetched.put(_Read(spec.request_id, ids, ok, hi == n))
+                live = [(s, i) for s, i in batch if s.request_id not in self._cancelled]
+                ok = self._get_items(live)
+            done = dict(zip(((s.request_id, i) for s, i in live), ok))
+            parts: dict[int, tuple[LoadSpec, list[int]]] = {}  # by identity, in batch order
+            for s, i in batch:
+                parts.setdefault(id(s), (s, []))[1].append(i)
+            for spec, index in parts.values():
+                hits = [done.get((spec.request_id, i), False) for i in index]
+                last = index[-1] == len(spec.keys) - 1
+                self._fetched.put(
+                    _Read(spec.request_id, [spec.block_ids[i] for i in index], hits, last)
+                )
+
+    def _get_items(self, items: list[tuple[LoadSpec, int]]) -> list[bool]:
+        if not items:
+            return []
+        keys = [s.keys[i] for s, i in items]
+        tokens = [s.num_tokens[i] for s, i in items]
+        out = [self._block_chunks(s.block_ids[i]) for s, i in items]
+        try:
+            return self.store.get_many_into(keys, tokens, out)
+        except Exception:  # a store bug must cost a recompute, never a wrong token
+            logger.exception("KV load of %d entries failed", len(keys))
+            return [False] * len(keys)
 
     def _get(self, spec: LoadSpec, lo: int, hi: int, out: list[list[memoryview]]) -> list[bool]:
         try:

@@ -92,10 +92,19 @@ def byte_view(buf: Buffer) -> memoryview:
 
 
 def chunk_views(payload: Payload | Destination) -> list[memoryview]:
-    """Flat byte views of a payload given as one buffer or as a sequence of chunks."""
+    """Flat byte views of a payload given as one buffer or as a sequence of chunks (views that
+    are flat bytes already are kept as they are: a hot path, an entry may have 64 chunks)."""
+    if isinstance(payload, list | tuple):
+        return [_flat(chunk) for chunk in payload]
     if isinstance(payload, memoryview | bytes | bytearray) or _is_buffer(payload):
         return [byte_view(payload)]  # type: ignore[arg-type]  # one buffer (e.g. numpy array)
     return [byte_view(chunk) for chunk in payload]  # type: ignore[union-attr]
+
+
+def _flat(chunk: Buffer) -> memoryview:
+    if type(chunk) is memoryview and chunk.format == "B" and chunk.ndim == 1:
+        return chunk
+    return byte_view(chunk)
 
 
 def _is_buffer(obj: object) -> bool:

@@ -59,7 +59,6 @@ from kv_store.file_index import FileIndex
 from kv_store.io_workers import (
     BatchPool,
     as_payload,
-    chunk_list,
     default_workers,
     preadv_all,
     pwritev_all,
@@ -171,7 +170,7 @@ class FileStore(KVStore):
     ) -> list[bool]:
         check_lengths(keys, payloads, num_tokens)
         self._index.check_owner()
-        chunks = [chunk_list(p) for p in payloads]
+        chunks = [entry.chunk_views(p) for p in payloads]
         sizes = [entry.HEADER_SIZE + entry.payload_size(c) for c in chunks]
         names = [self.entry_name(key) for key in keys]
         last = {name: i for i, name in enumerate(names)}  # a repeated key: its last payload wins
@@ -259,7 +258,7 @@ class FileStore(KVStore):
         check_lengths(keys, num_tokens, out)
         self._index.check_owner()
         names = [self.entry_name(key) for key in keys]
-        dsts = [chunk_list(o) for o in out]
+        dsts = [entry.chunk_views(o) for o in out]
         nbytes = entry.payload_size(dsts[0]) * len(dsts) if dsts else 0  # a batch's are alike
         found = self._pool.map(
             lambda i: self._read_into(names[i], num_tokens[i], dsts[i]), len(keys), nbytes

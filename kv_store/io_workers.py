@@ -22,7 +22,7 @@ Hence 128 KiB per item and 1 MiB per slice. A store whose items cost otherwise p
 the `ArenaStore`'s copies release the GIL but its per-entry Python work and xxh3 do not, and
 threads pay there from ~256 KiB per entry (it passes 256 KiB and 2 MiB).
 
-Buffers are `memoryview`s of bytes (`chunk_list`); the caller owns them and must keep them alive
+Buffers are `memoryview`s of bytes (`entry.chunk_views`); the caller owns them and must keep them alive
 and unchanged until the call that uses them returns. `BatchPool.map` returns only once every
 slice has finished, even when one raised, so no worker touches a batch after its call.
 """
@@ -36,8 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
-from kv_store import entry
-from kv_store.base import Destination, Payload
+from kv_store.base import Payload
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 MIN_PARALLEL_ITEM = 128 << 10  # below this per item, the GIL churn of a worker outweighs it
@@ -107,13 +106,6 @@ class BatchPool:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
-
-
-def chunk_list(payload: Payload | Destination) -> list[memoryview]:
-    """`entry.chunk_views`, minus its exception-driven probe for the common list of chunks."""
-    if isinstance(payload, list | tuple):
-        return [entry.byte_view(chunk) for chunk in payload]
-    return entry.chunk_views(payload)
 
 
 def as_payload(chunks: list[memoryview]) -> Payload:

@@ -334,3 +334,20 @@ def test_in_place_load_of_an_aborted_request_stops_before_its_blocks_are_reused(
     consumer.check_integrity()
     assert consumer.num_free_blocks() == consumer.runner.num_blocks
     consumer.close()
+
+
+def test_a_reader_bug_costs_a_recompute_not_a_hang(tmp_path, colocated, monkeypatch):
+    """Whatever goes wrong in the reader thread, every load is still reported (as failed)."""
+    url = f"file://{tmp_path}/kv"
+    ps = prompts()
+    consumer = engine(url, "consumer")
+    worker = consumer.runner.connector
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the reader")
+
+    monkeypatch.setattr(worker, "_get_items", broken)
+    tokens, _, rest, _ = disaggregated(url, ps, True, consumer=consumer)
+    assert tokens == reference(colocated, ps, True)
+    assert all(r["loaded"] == 0 for r in rest.values())
+    consumer.close()
