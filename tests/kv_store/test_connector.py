@@ -301,9 +301,7 @@ def test_in_place_load_of_an_aborted_request_stops_before_its_blocks_are_reused(
     producer = engine(url, "producer")
     first = run(producer, [("0", ps[0], params(1, True), None)])
     producer.close()
-    consumer = EngineCore(
-        EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role="consumer")
-    )
+    consumer = EngineCore(EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role="consumer"))
     worker = consumer.runner.connector
     assert worker.read_in_place
     worker.per_slot = 2  # several reads per request
