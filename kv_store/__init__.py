@@ -1,8 +1,12 @@
 """KV store backends: where prefill instances put KV blocks and decode instances get them.
 
-`open_store(url, fingerprint)` picks a backend by URL scheme: `RedisStore` (`redis://`) or
-`FileStore` (`file://`, a shared directory, default `/dev/shm/pdserve`). Every entry is framed by
-`entry.py` (verified header + checksum), so a reader gets the exact payload or a miss.
+`open_store(url, fingerprint, payload_bytes=…)` picks a backend by URL scheme: `ArenaStore`
+(`shm://`, one preallocated shared-memory arena per namespace, the `pdserve up` default),
+`FileStore` (`file://`, a file per entry in a shared directory, default `/dev/shm/pdserve`) or
+`RedisStore` (`redis://`, `rediss://`, and a Redis Cluster through `redis+cluster://` /
+`rediss+cluster://`; `?connections=N` pipelines a large batch on N connections). Every entry is
+framed by `entry.py` (verified header + checksum), so a reader gets the exact payload or a miss;
+a payload may be given and read back as chunks (`base.Payload`, `base.Destination`).
 """
 
 from kv_store.arena_store import ArenaStore
