@@ -88,9 +88,6 @@ class StepResult:
         return out
 
 
-NO_TOKENS = None  # a step that sampled nothing returns no StepResult
-
-
 class ModelRunner:
     """Owns the model, the KV cache tensor, the input buffers, the decode graphs and the sampler
     of one engine."""
@@ -183,7 +180,7 @@ class ModelRunner:
         self._copy_blocks(out.block_copies)
         hidden, inputs = self._forward(out)
         if not inputs.num_logits_rows:
-            return NO_TOKENS
+            return None  # a step of prompt chunks only: nothing sampled
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         rows, owners = self._sample_rows(out.scheduled)
         sampled = self.sampler.sample(logits, rows)
