@@ -90,6 +90,7 @@ class DecodeGraphs:
         return next(size for size in self.sizes if size >= n)
 
     # -- capture and replay ---------------------------------------------------------------------
+    @torch.inference_mode()
     def capture_all(self, kv_layers: list[torch.Tensor]) -> None:
         """Capture every size (largest first, one memory pool). On CPU: only remember the cache."""
         self._kv_layers = kv_layers

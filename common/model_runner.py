@@ -67,7 +67,7 @@ class StepResult:
         tensors = [t for t in sampled if t is not None]
         self._event: torch.cuda.Event | None = None
         if tensors and tensors[0].device.type == "cuda":
-            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            tensors = [_to_pinned(t) for t in tensors]
             self._event = torch.cuda.Event()
             self._event.record()
         it = iter(tensors)
@@ -256,6 +256,13 @@ class ModelRunner:
                 )
                 owners.append(r.request_id)
         return rows, owners
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy into pinned host memory, started now, not waited for."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def _to_token_logprobs(
