@@ -31,7 +31,6 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from common.kv_connector import ConnectorMetadata, KVConnectorWorker, LoadSpec
@@ -125,7 +124,10 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._load_lock = threading.Lock()  # CPU: held while a read writes into the cache
         self._reads_may_start = threading.Event()  # cleared while a cancel waits for the lock
         self._reads_may_start.set()
-        self._cache_bytes: np.ndarray | None = None
+        # CPU in place: per (layer, K|V), the flat bytes of that plane of the cache, in order;
+        # a block's chunk is a slice of each (cheap, no numpy indexing per chunk)
+        self._planes: list[memoryview] = []
+        self._block_bytes = 0
         self._landing: list[_Staged] = []
         self._landing_events: list[torch.cuda.Event] = []
         self._releasing: list[tuple[torch.cuda.Event, torch.Tensor]] = []
@@ -222,10 +224,14 @@ class StoreConnectorWorker(KVConnectorWorker):
         """Start this step's fetches in the background (the request stays parked meanwhile)."""
         if self._kv_cache is not kv_cache:
             self._kv_cache = kv_cache
-            if self.read_in_place:  # (L, 2, N, bs * Hkv * D) bytes: a block's chunks, in place
-                self._cache_bytes = (
-                    kv_cache.view(torch.uint8).numpy().reshape(*kv_cache.shape[:3], -1)
-                )
+            if self.read_in_place:
+                raw = kv_cache.view(torch.uint8).numpy()  # (L, 2, N, bs, Hkv, D * elem)
+                self._block_bytes = raw[0, 0, 0].nbytes
+                self._planes = [
+                    memoryview(raw[layer, kv].reshape(-1))
+                    for layer in range(raw.shape[0])
+                    for kv in (0, 1)
+                ]
         for spec in self._meta.loads:
             self._loading.add(spec.request_id)
             self._to_fetch.put(spec)
@@ -313,11 +319,9 @@ class StoreConnectorWorker(KVConnectorWorker):
 
     def _block_chunks(self, block_id: int) -> list[memoryview]:
         """A block's K and V of every layer in the paged cache: one entry's payload, in order."""
-        raw = self._cache_bytes
-        assert raw is not None
-        return [
-            memoryview(raw[layer, kv, block_id]) for layer in range(raw.shape[0]) for kv in (0, 1)
-        ]
+        lo = block_id * self._block_bytes
+        hi = lo + self._block_bytes
+        return [plane[lo:hi] for plane in self._planes]
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Layer ``layer`` of every fetched load is in the paged cache before that layer's
