@@ -25,7 +25,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
 RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 
 WORKDIR /opt/pdserve
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md pdserve_cli.py ./
 COPY proto proto
 COPY common common
 COPY kernels kernels
@@ -34,10 +34,13 @@ COPY node_frontend node_frontend
 COPY prefill_node prefill_node
 COPY decode_node decode_node
 COPY router router
+COPY launcher launcher
+COPY bench bench
 COPY benchmarks benchmarks
-RUN pip install . && python -c "import common, router, node_frontend, pdserve_proto"
+RUN pip install . \
+    && python -c "import pdserve_cli, common, router, launcher, bench, node_frontend, pdserve_proto"
 
-# The source tree is the import root, as in development (`python -m router.health_check` works).
+# The source tree is the import root, as in development (`python -m launcher.health_check` works).
 ENV PYTHONPATH=/opt/pdserve:/opt/pdserve/proto \
     PDSERVE_CACHE_DIR=/cache
 RUN useradd --create-home --uid 10001 pdserve && mkdir -p /cache && chown pdserve /cache

@@ -25,11 +25,12 @@ import numpy as np
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
+from bench.load import arrival_offsets
+from bench.slo import RequestRecord, SLOConfig, SLOReport, parse_slo, summarize
 from common.config import EngineConfig
 from common.core_client import CoreClient
 from common.sampling_params import SamplingParams
-from router.bench import arrival_offsets
-from router.slo import RequestRecord, SLOConfig, SLOReport, parse_slo, summarize
+from kv_store.connector import create_store_connector
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,14 @@ class Setup:
             self.prefill = CoreClient(
                 EngineConfig.from_kwargs(
                     **common, cpu_threads=1, kv_store=store_url, kv_role="both"
-                )
+                ),
+                connector_factory=create_store_connector,
             )
             self.decode = CoreClient(
                 EngineConfig.from_kwargs(
                     **common, cpu_threads=1, kv_store=store_url, kv_role="consumer"
-                )
+                ),
+                connector_factory=create_store_connector,
             )
             self.clients = [self.prefill, self.decode]
         else:

@@ -44,6 +44,7 @@ from common.models.shapes import write_dummy_shape
 from common.request import Request
 from common.sampling_params import SamplingParams
 from common.scheduler import SchedulerOutput
+from kv_store.connector import create_store_connector
 
 GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -62,7 +63,8 @@ def make_engine(args: argparse.Namespace, model: str, url: str | None, role: str
             kv_store=url,
             kv_role=role,
             cpu_threads=args.cpu_threads,
-        )
+        ),
+        create_store_connector,
     )
 
 
@@ -101,7 +103,10 @@ def transfer(engine: EngineCore, prompts: list[list[int]]) -> float:
     start = time.perf_counter()
     first = 0
     for request in requests:
-        matched = sched.get_num_new_matched_tokens(request, 0).num_tokens
+        # no handle: the store is asked on the connector's lookup thread, and the scheduler
+        # asks again on a later step until the answer is in (None: not known yet)
+        while (matched := sched.get_num_new_matched_tokens(request, 0).num_tokens) is None:
+            time.sleep(0.0002)
         blocks = list(range(first, first + -(-matched // bs)))
         first += len(blocks)
         sched.update_state_after_alloc(request, blocks, matched)

@@ -35,12 +35,13 @@ import grpc
 import numpy as np
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto.convert import sampling_params_to_proto
 
 from common.config import EngineConfig
 from common.core_client import CoreClient
 from common.engine import EngineCore
 from common.sampling_params import SamplingParams
-from node_frontend.convert import sampling_params_to_proto
+from kv_store.connector import create_store_connector
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = dict(num_blocks=512, max_model_len=512, max_num_batched_tokens=256, cpu_threads=1)
@@ -142,7 +143,7 @@ def node_runner(stub: pb_grpc.DecodeServiceStub) -> Runner:
 def start_decode_node(store_url: str) -> tuple[subprocess.Popen[str], int]:
     """A ``pdserve decode`` process on an ephemeral port; returns (process, port)."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    command = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "decode"]
+    command = [sys.executable, "-m", "pdserve_cli", "--log-level", "WARNING", "decode"]
     proc = subprocess.Popen(
         [*command, "--port", "0", "--kv-store", store_url, *flags],
         cwd=REPO,
@@ -207,8 +208,8 @@ async def main_async(args: argparse.Namespace) -> str:
             model=args.model, kv_store=store_url, kv_role="consumer", **ENGINE
         )
         node, port = start_decode_node(store_url)
-        client = CoreClient(config)
-        engine = EngineCore(config)
+        client = CoreClient(config, connector_factory=create_store_connector)
+        engine = EngineCore(config, create_store_connector)
         try:
             await client.start()
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -1,8 +1,8 @@
 """pdserve's engine library: everything prefill and decode nodes share."""
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -187,7 +187,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self) -> None:
         super().__init__()
         import kernels.ops  # noqa: F401 - registers torch.ops.pdserve.*
-
         from kernels import cpu_attention
 
         if cpu_attention.load_library() is None:

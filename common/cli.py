@@ -1,52 +1,25 @@
-"""The ``pdserve`` console script: one subcommand per role or tool.
-
-Each subcommand lives with its package and exposes ``register(subparsers)``; this module only
-collects them, importing lazily so ``pdserve --help`` stays fast.
+"""Deprecated: ``python -m common.cli ...``, the entry point before the CLI moved to
+``pdserve_cli.py``. Kept for one release: it prints a one-line notice to stderr and runs
+``pdserve ...`` with the same arguments. Use ``pdserve ...`` (or ``python -m pdserve_cli ...``).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import logging
 import sys
+from collections.abc import Sequence
 
-# (module, registrar): each module adds its subcommand(s) with a ``func`` default.
-_SUBCOMMANDS = [
-    ("common.demo", "register"),
-    ("kv_store.cli", "register"),
-    ("prefill_node.server", "register"),
-    ("decode_node.server", "register"),
-    ("router.server", "register"),
-    ("router.cluster", "register"),
-    ("router.bench", "register"),
-]
+NOTICE = (
+    "DeprecationWarning: 'python -m common.cli' is deprecated and will be removed in the next"
+    " release; use 'pdserve' (or 'python -m pdserve_cli')"
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdserve", description="Disaggregated prefill/decode LLM serving"
-    )
-    parser.add_argument("--log-level", default="INFO")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name, attr in _SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and module_name.startswith(e.name):
-                continue  # that part of pdserve is not installed in this build
-            raise
-        getattr(module, attr)(subparsers)
-    return parser
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the notice, then run ``pdserve_cli.main(argv)``; its exit status."""
+    import pdserve_cli
 
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    return int(args.func(args) or 0)
+    print(NOTICE, file=sys.stderr, flush=True)
+    return pdserve_cli.main(argv)
 
 
 if __name__ == "__main__":

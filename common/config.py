@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from common.spec_decode.config import SpeculativeConfig
+
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -63,7 +65,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
     max_waiting: int = 4096  # admission bound; over it add_request raises QueueFullError
-    max_n: int = 16  # cap of SamplingParams.n
+    max_n: int = 16  # cap of SamplingParams.n (its samples are split before the engine)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -87,7 +89,6 @@ class RunnerConfig:
     seed: int = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    max_n: int = 16
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     max_seq_len_to_capture: int = 8192
@@ -116,8 +117,16 @@ class EngineConfig:
     # schedule step N+1 while step N runs (None: on for CUDA, off for CPU, where the device
     # is the host and nothing would overlap); tokens are identical either way
     async_scheduling: bool | None = None
+    # speculative decoding (common/spec_decode/): vLLM's dict, or None for none
+    speculative_config: SpeculativeConfig | None = None
+    # ranks the model is split over (common/parallel/): rank 0 in this process, the others
+    # in worker processes; 1 is the single-device engine with no extra process
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            spec = SpeculativeConfig.from_dict(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
@@ -132,6 +141,23 @@ class EngineConfig:
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not do yet is refused here, at start, by name."""
+        size = self.tensor_parallel_size
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        if size == 1:
+            return
+        if self.kv_store is not None:
+            raise ValueError("KV store with tensor_parallel_size > 1 is not supported yet")
+        if self.async_scheduling:
+            raise ValueError("async_scheduling with tensor_parallel_size > 1 is not supported yet")
+        if self.speculative_config is not None:
+            raise ValueError(
+                "speculative decoding with tensor_parallel_size > 1 is not supported yet"
+            )
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(
@@ -142,7 +168,6 @@ class EngineConfig:
             seed=self.model.seed,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             max_num_seqs=self.scheduler.max_num_seqs,
-            max_n=self.scheduler.max_n,
             enforce_eager=self.enforce_eager,
             cuda_graph_sizes=self.cuda_graph_sizes,
             max_seq_len_to_capture=self.max_seq_len_to_capture,

@@ -5,12 +5,14 @@ per-request ``asyncio.Queue`` of their request, ``LoadStats`` resolve the future
 asked, ``Fatal`` (or the process dying) fails everything. Requests are sent on the input socket
 directly (a PUSH send never blocks: the high-water mark is off). A request's stream is an
 :class:`OutputStream`; closing it early — ``aclose()``, leaving ``async with``, or cancelling the
-task that awaits it — aborts the request in the core, so its blocks are freed.
+task that awaits it — aborts the request in the core, so its blocks are freed. A request with
+``n`` samples is sent as ``n`` engine requests (``common/parallel_sampling.py``), whose outputs
+come back through the one stream, each tagged with its sample's index.
 
 ```
  CoreClient ──PUSH ipc://…/input──▶ engine core (common.core_process)
      ▲ reader task ◀──PULL ipc://…/output──┘
-     └──▶ queues[request_id] ──▶ OutputStream ──▶ gRPC handler
+     └──▶ requests[request_id of the sample].queue ──▶ OutputStream ──▶ gRPC handler
 ```
 """
 
@@ -22,10 +24,10 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import zmq
 import zmq.asyncio
@@ -47,8 +49,13 @@ from common.core_messages import (
     encode,
     engine_config_to_dict,
 )
+from common.kv_connector import KVHandle
+from common.parallel_sampling import Sample, split_samples
 from common.sampling_params import SamplingParams
 from common.scheduler import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from common.kv_connector import ConnectorFactory
 
 logger = logging.getLogger(__name__)
 
@@ -74,28 +81,44 @@ class CoreRequestError(Exception):
 
 @dataclass(frozen=True)
 class CoreOutput:
-    """One output of a request; ``timing`` is set on its first output only."""
+    """One output of sample ``index`` of a request; ``timing`` is set on the sample's first
+    output only."""
 
     output: EngineCoreOutput
     timing: RequestTiming | None
+    index: int = 0
 
     @property
     def finished(self) -> bool:
+        """The sample's last output."""
         return self.output.finish_reason is not None
 
 
 _Item = CoreOutput | CoreRequestError
 
 
+@dataclass
+class _Request:
+    """A request the client waits on: its stream's queue and its samples still running (engine
+    request id → sample index)."""
+
+    queue: asyncio.Queue[_Item]
+    samples: dict[str, int] = field(default_factory=dict)
+
+
 class OutputStream:
-    """Async iterator over one request's outputs, ending after the one with a finish reason.
+    """Async iterator over one request's outputs, ending once every sample has given the one
+    with a finish reason.
 
     Raises :class:`CoreRequestError` if the core refused the request (before any output) or died.
-    Closing it before the end aborts the request in the core.
+    Closing it before the end — or a refused sample — aborts the request in the core.
     """
 
-    def __init__(self, client: CoreClient, request_id: str, queue: asyncio.Queue[_Item]) -> None:
+    def __init__(
+        self, client: CoreClient, request_id: str, queue: asyncio.Queue[_Item], num_samples: int
+    ) -> None:
         self._client, self.request_id, self._queue = client, request_id, queue
+        self._unfinished = num_samples
         self._done = False
         self._held: _Item | None = None  # taken from the queue by ready(), not yet returned
 
@@ -130,9 +153,11 @@ class OutputStream:
 
     def _accept(self, item: _Item) -> CoreOutput:
         if isinstance(item, CoreRequestError):
-            self._done = True
+            self._close()  # the request's other samples, if any, are aborted
             raise item
-        self._done = item.finished
+        if item.finished:
+            self._unfinished -= 1
+        self._done = self._unfinished == 0
         return item
 
     def _close(self) -> None:
@@ -158,11 +183,21 @@ class OutputStream:
 class CoreClient:
     """Starts an engine-core process and talks to it. Use from one event loop only."""
 
-    def __init__(self, config: EngineConfig, *, startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        connector_factory: ConnectorFactory | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        """``connector_factory``: handed to the engine in its process (picklable: a module-level
+        function such as ``kv_store.connector.create_store_connector``)."""
         self.config = config
+        self.connector_factory = connector_factory
         self.startup_timeout_s = startup_timeout_s
         self.info: Ready | None = None
-        self._queues: dict[str, asyncio.Queue[_Item]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._request_of: dict[str, str] = {}  # engine request id (a sample) → request id
         self._load_waiters: dict[int, asyncio.Future[LoadStats]] = {}
         self._query_ids = itertools.count()
         self._dead: str | None = None  # why the core is unusable, once it is
@@ -196,6 +231,7 @@ class CoreClient:
                 f"ipc://{self._dir / 'input'}",
                 f"ipc://{self._dir / 'output'}",
                 logging.getLogger().getEffectiveLevel(),
+                self.connector_factory,
             ),
             name="pdserve-engine-core",
             daemon=True,
@@ -254,7 +290,7 @@ class CoreClient:
     @property
     def num_requests(self) -> int:
         """Requests this client is waiting on (added, not finished)."""
-        return len(self._queues)
+        return len(self._requests)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(
@@ -265,42 +301,80 @@ class CoreClient:
         *,
         priority: int = 0,
         output_token_ids: list[int] | None = None,
+        kv_handle: KVHandle | None = None,
     ) -> OutputStream:
-        """Send the request now; its outputs come through the returned stream. A refusal
-        (bad input, queue full, id in use, core gone) is raised by the stream's first ``__anext__``.
+        """Send the request now — ``params.n`` engine requests, one per sample — and return the
+        stream of their outputs. A refusal (bad input, queue full, id in use, a handle that is
+        not this prompt's, core gone) is raised by the stream's first ``__anext__``.
         """
         queue: asyncio.Queue[_Item] = asyncio.Queue()
-        refusal = self._refusal(request_id)
-        if refusal is not None:
+        stream = OutputStream(self, request_id, queue, params.n)
+        try:
+            samples = self._split(request_id, params, output_token_ids)
+        except CoreRequestError as refusal:
             queue.put_nowait(refusal)
-        else:
-            self._queues[request_id] = queue
-            outputs = output_token_ids or []
-            if not self._send(AddRequest(request_id, prompt_token_ids, params, priority, outputs)):
-                del self._queues[request_id]
+            return stream
+        request = self._requests[request_id] = _Request(queue)
+        outputs = output_token_ids or []
+        for sample in samples:
+            request.samples[sample.request_id] = sample.index
+            self._request_of[sample.request_id] = request_id
+            message = AddRequest(
+                sample.request_id, prompt_token_ids, sample.params, priority, outputs, kv_handle
+            )
+            if not self._send(message):
+                self._cancel(request_id, queue)
                 queue.put_nowait(CoreRequestError("unavailable", "engine core is not connected"))
-        return OutputStream(self, request_id, queue)
+                break
+        return stream
 
-    def _refusal(self, request_id: str) -> CoreRequestError | None:
+    def _split(
+        self, request_id: str, params: SamplingParams, output_token_ids: list[int] | None
+    ) -> list[Sample]:
+        """The request's samples, or the reason (a CoreRequestError) it is refused here."""
         if self._dead is not None:
-            return CoreRequestError("unavailable", self._dead)
-        if request_id in self._queues:
-            return CoreRequestError("already_exists", f"request id {request_id!r} is in use")
-        return None
+            raise CoreRequestError("unavailable", self._dead)
+        if output_token_ids and params.n > 1:
+            raise CoreRequestError("invalid_argument", "resuming (output_token_ids) needs n == 1")
+        try:
+            samples = split_samples(request_id, params, self.config.scheduler.max_n)
+        except ValueError as e:
+            raise CoreRequestError("invalid_argument", str(e)) from None
+        in_use = [s.request_id for s in samples if s.request_id in self._request_of]
+        if request_id in self._requests or in_use:
+            raise CoreRequestError("already_exists", f"request id {request_id!r} is in use")
+        return samples
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request; its stream ends with an ``abort`` output. False if unknown here."""
-        if request_id not in self._queues:
+        """Abort a request (every sample); its stream ends with an ``abort`` output per sample.
+        False if unknown here."""
+        request = self._requests.get(request_id)
+        if request is None:
             return False
-        self._send(AbortRequests([request_id]))
+        self._send(AbortRequests(list(request.samples)))
         return True
 
     def _cancel(self, request_id: str, queue: asyncio.Queue[_Item]) -> None:
-        """The consumer of ``queue`` went away: forget the request and abort it in the core."""
-        if self._queues.get(request_id) is queue:
-            del self._queues[request_id]
-            if self._dead is None:
-                self._send(AbortRequests([request_id]))
+        """The consumer of ``queue`` went away: forget the request and abort what is left of it
+        in the core."""
+        request = self._requests.get(request_id)
+        if request is None or request.queue is not queue:
+            return
+        del self._requests[request_id]
+        for sample_id in request.samples:
+            del self._request_of[sample_id]
+        if self._dead is None and request.samples:
+            self._send(AbortRequests(list(request.samples)))
+
+    def _end_sample(self, sample_id: str) -> _Request:
+        """A sample ended (finished or refused): stop routing it; the request ends with its
+        last sample."""
+        request_id = self._request_of.pop(sample_id)
+        request = self._requests[request_id]
+        del request.samples[sample_id]
+        if not request.samples:
+            del self._requests[request_id]
+        return request
 
     async def get_load(self, timeout_s: float = 30.0) -> LoadStats:
         """The core's load, answered between two steps. Raises RuntimeError if it is gone."""
@@ -345,9 +419,9 @@ class CoreClient:
         if isinstance(message, Outputs):
             self._route(message)
         elif isinstance(message, RequestError):
-            queue = self._queues.pop(message.request_id, None)
-            if queue is not None:
-                queue.put_nowait(CoreRequestError(message.code, message.message))
+            if message.request_id in self._request_of:
+                request = self._end_sample(message.request_id)
+                request.queue.put_nowait(CoreRequestError(message.code, message.message))
         elif isinstance(message, LoadStats):
             waiter = self._load_waiters.get(message.query_id)
             if waiter is not None and not waiter.done():
@@ -361,12 +435,14 @@ class CoreClient:
 
     def _route(self, message: Outputs) -> None:
         for output, timing in zip(message.outputs, message.timings):
-            queue = self._queues.get(output.request_id)
-            if queue is None:
+            request_id = self._request_of.get(output.request_id)
+            if request_id is None:
                 continue  # cancelled by its consumer: the abort is on its way
-            queue.put_nowait(CoreOutput(output, timing))
+            request = self._requests[request_id]
+            index = request.samples[output.request_id]
+            request.queue.put_nowait(CoreOutput(output, timing, index))
             if output.finish_reason is not None:
-                del self._queues[output.request_id]
+                self._end_sample(output.request_id)
 
     def _set_dead(self, reason: str) -> None:
         self._dead = self._dead or reason  # the first reason is the useful one
@@ -378,9 +454,10 @@ class CoreClient:
     def _fail_all(self, code: str, reason: str) -> None:
         if self._dead is None:
             self._dead = reason
-        for queue in self._queues.values():
-            queue.put_nowait(CoreRequestError(code, reason))
-        self._queues.clear()
+        for request in self._requests.values():
+            request.queue.put_nowait(CoreRequestError(code, reason))
+        self._requests.clear()
+        self._request_of.clear()
         for waiter in self._load_waiters.values():
             if not waiter.done():
                 waiter.set_exception(RuntimeError(reason))

@@ -1,9 +1,12 @@
 """Typed messages between a node's frontend and its engine-core process (msgpack, never pickle).
 
-One class per event. Each knows how to turn itself into a dict of plain values
-(``to_dict``) and back (``from_dict``); :func:`encode` / :func:`decode` add a ``kind`` tag and
-run msgpack. Nothing here executes code from the wire: an unknown ``kind`` or a missing field is
-a ``ValueError``.
+One ``msgspec.Struct`` per event, every field declared once, here or on the payload it carries
+(``EngineCoreOutput``, ``TokenLogprobs``, ``KVHandle``, ``EngineStats`` are Structs themselves;
+``SamplingParams``, a dataclass, is encoded by msgspec as it is). :func:`decode` reads bytes into
+exactly one of the messages of :data:`CoreMessage` — a tagged union on the ``kind`` field — and
+nothing else: an unknown ``kind``, a missing, extra or mistyped field, or sampling params that fail
+their validation (``SamplingParams.__post_init__`` runs again on this side) is a ``ValueError``.
+Nothing from the wire is ever executed or unpickled.
 
 ```
  frontend ──PUSH──▶ core (PULL)     AddRequest, AbortRequests, GetLoad, Shutdown
@@ -13,173 +16,56 @@ a ``ValueError``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
+import msgspec
 
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.config import EngineConfig
 from common.kv_connector import KVHandle
-from common.request import TokenLogprobs
 from common.sampling_params import SamplingParams
-from common.scheduler import EngineCoreOutput
-
-# -- value conversions ------------------------------------------------------------------------
+from common.scheduler import EngineCoreOutput, EngineStats
 
 
-def sampling_params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in fields(SamplingParams)}
-
-
-def sampling_params_from_dict(data: dict[str, Any]) -> SamplingParams:
-    """Rebuilds (and so re-validates) the params; unknown keys are a ValueError."""
-    names = {f.name for f in fields(SamplingParams)}
-    unknown = set(data) - names
-    if unknown:
-        raise ValueError(f"unknown sampling params {sorted(unknown)}")
-    return SamplingParams(**data)
-
-
-def engine_config_to_dict(config: EngineConfig) -> dict[str, Any]:
-    return asdict(config)
-
-
-def engine_config_from_dict(data: dict[str, Any]) -> EngineConfig:
-    parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-    top = {k: v for k, v in data.items() if k not in parts}
-    return EngineConfig(**{k: cls(**data[k]) for k, cls in parts.items()}, **top)
-
-
-def kv_handle_to_dict(handle: KVHandle | None) -> dict[str, Any] | None:
-    return None if handle is None else asdict(handle)
-
-
-def kv_handle_from_dict(data: dict[str, Any] | None) -> KVHandle | None:
-    if data is None:
-        return None
-    return KVHandle(
-        fingerprint=str(data["fingerprint"]),
-        block_size=int(data["block_size"]),
-        num_tokens=int(data["num_tokens"]),
-        block_hashes=[bytes(h) for h in data["block_hashes"]],
-        store_url=data.get("store_url"),
-    )
-
-
-def _logprobs_to_list(lp: TokenLogprobs) -> list[Any]:
-    return [lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs)]
-
-
-def _logprobs_from_list(data: list[Any]) -> TokenLogprobs:
-    token_id, logprob, top_ids, top_logprobs = data
-    return TokenLogprobs(int(token_id), float(logprob), list(top_ids), list(top_logprobs))
-
-
-def output_to_dict(out: EngineCoreOutput) -> dict[str, Any]:
-    return {
-        "request_id": out.request_id,
-        "new_token_ids": list(out.new_token_ids),
-        "new_logprobs": [_logprobs_to_list(lp) for lp in out.new_logprobs],
-        "finish_reason": out.finish_reason,
-        "stop_reason": out.stop_reason,
-        "parent_id": out.parent_id,
-        "num_cached_tokens": out.num_cached_tokens,
-        "kv_handle": kv_handle_to_dict(out.kv_handle),
-        "num_external_tokens": out.num_external_tokens,
-    }
-
-
-def output_from_dict(data: dict[str, Any]) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=data["request_id"],
-        new_token_ids=[int(t) for t in data["new_token_ids"]],
-        new_logprobs=[_logprobs_from_list(lp) for lp in data["new_logprobs"]],
-        finish_reason=data["finish_reason"],
-        stop_reason=data["stop_reason"],
-        parent_id=data["parent_id"],
-        num_cached_tokens=int(data["num_cached_tokens"]),
-        kv_handle=kv_handle_from_dict(data["kv_handle"]),
-        num_external_tokens=int(data["num_external_tokens"]),
-    )
-
-
-# -- messages ---------------------------------------------------------------------------------
-
-
-class Message:
-    """Base of every message: plain dataclass fields ↔ a dict of msgpack-able values."""
-
-    KIND: ClassVar[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Message:
-        return cls(**data)
+class Message(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True):
+    """Base of every message; on the wire, ``kind`` names its class (the ``tag=`` below)."""
 
 
 # frontend → core
 
 
-@dataclass
-class AddRequest(Message):
+class AddRequest(Message, tag="add"):
     """Queue a request. ``output_token_ids`` resumes one (they count as already generated)."""
 
-    KIND: ClassVar[str] = "add"
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     priority: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data["sampling_params"] = sampling_params_to_dict(self.sampling_params)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AddRequest:
-        return cls(
-            request_id=str(data["request_id"]),
-            prompt_token_ids=list(data["prompt_token_ids"]),
-            sampling_params=sampling_params_from_dict(data["sampling_params"]),
-            priority=int(data["priority"]),
-            output_token_ids=list(data["output_token_ids"]),
-        )
+    output_token_ids: list[int] = []
+    kv_handle: KVHandle | None = None  # where the prompt's KV is (a decode node's request)
 
 
-@dataclass
-class AbortRequests(Message):
+class AbortRequests(Message, tag="abort"):
     """Abort requests in any state; the core answers with an ``abort`` output for each it held."""
 
-    KIND: ClassVar[str] = "abort"
     request_ids: list[str]
 
 
-@dataclass
-class GetLoad(Message):
+class GetLoad(Message, tag="get_load"):
     """Ask for a :class:`LoadStats`; ``query_id`` pairs the reply with the question."""
 
-    KIND: ClassVar[str] = "get_load"
     query_id: int
 
 
-@dataclass
-class Shutdown(Message):
+class Shutdown(Message, tag="shutdown"):
     """Abort everything, release the engine and exit."""
-
-    KIND: ClassVar[str] = "shutdown"
 
 
 # core → frontend
 
 
-@dataclass
-class Ready(Message):
+class Ready(Message, tag="ready"):
     """Sent once, when the engine is built: what the frontend needs to know about it."""
 
-    KIND: ClassVar[str] = "ready"
     model: str
     vocab_size: int
     max_model_len: int
@@ -190,8 +76,7 @@ class Ready(Message):
     pid: int
 
 
-@dataclass
-class RequestTiming(Message):
+class RequestTiming(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """Where a request's time went inside the core until its first output (milliseconds).
 
     ``queue_ms``: arrival → first scheduled (or parked for a KV load); ``load_ms``: time spent
@@ -199,39 +84,21 @@ class RequestTiming(Message):
     producer this includes ``wait_for_save``: the engine samples only once blocks are durable).
     """
 
-    KIND: ClassVar[str] = "timing"
     queue_ms: float
     load_ms: float
     compute_ms: float
 
 
-@dataclass
-class Outputs(Message):
+class Outputs(Message, tag="outputs"):
     """One step's outputs. ``timings[i]`` is set on the first output of a request only."""
 
-    KIND: ClassVar[str] = "outputs"
     outputs: list[EngineCoreOutput]
     timings: list[RequestTiming | None]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "outputs": [output_to_dict(o) for o in self.outputs],
-            "timings": [None if t is None else t.to_dict() for t in self.timings],
-        }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Outputs:
-        return cls(
-            outputs=[output_from_dict(o) for o in data["outputs"]],
-            timings=[None if t is None else RequestTiming(**t) for t in data["timings"]],
-        )
-
-
-@dataclass
-class RequestError(Message):
+class RequestError(Message, tag="request_error"):
     """An ``AddRequest`` the engine refused. ``code``: one of :data:`ERROR_CODES`."""
 
-    KIND: ClassVar[str] = "request_error"
     request_id: str
     code: str
     message: str
@@ -240,53 +107,70 @@ class RequestError(Message):
 ERROR_CODES = ("invalid_argument", "resource_exhausted")
 
 
-@dataclass
-class LoadStats(Message):
-    """The engine's load between two steps."""
+class LoadStats(EngineStats, Message, tag="load", kw_only=True):
+    """The engine's load between two steps (the fields of ``EngineStats``), answering the
+    :class:`GetLoad` with the same ``query_id``."""
 
-    KIND: ClassVar[str] = "load"
     query_id: int
-    num_waiting: int  # waiting or preempted, plus those waiting for a KV load
-    num_running: int
-    kv_usage: float  # used / total blocks, in [0, 1]
-    num_free_blocks: int
-    num_total_blocks: int
-    queued_prompt_tokens: int  # prompt tokens of waiting requests still to compute
 
 
-@dataclass
-class Fatal(Message):
+class Fatal(Message, tag="fatal"):
     """The core failed (start-up or step); it exits right after sending this."""
 
-    KIND: ClassVar[str] = "fatal"
     message: str
 
 
-_MESSAGES: dict[str, type[Message]] = {
-    cls.KIND: cls
-    for cls in (
-        AddRequest,
-        AbortRequests,
-        GetLoad,
-        Shutdown,
-        Ready,
-        Outputs,
-        RequestError,
-        LoadStats,
-        Fatal,
-    )
-}
+CoreMessage = (
+    AddRequest
+    | AbortRequests
+    | GetLoad
+    | Shutdown
+    | Ready
+    | Outputs
+    | RequestError
+    | LoadStats
+    | Fatal
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(CoreMessage)
 
 
 def encode(message: Message) -> bytes:
-    return msgpack.packb({"kind": message.KIND, "body": message.to_dict()}, use_bin_type=True)
+    return _encoder.encode(message)
 
 
 def decode(data: bytes) -> Message:
     """Bytes → message. Raises ValueError on anything malformed."""
     try:
-        raw = msgpack.unpackb(data, raw=False)
-        cls = _MESSAGES[raw["kind"]]
-        return cls.from_dict(raw["body"])
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
-        raise ValueError(f"malformed core message: {e!r}") from e
+        return _decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed core message: {e}") from e
+
+
+class _AddRequestId(msgspec.Struct, tag_field="kind", tag="add"):
+    request_id: str
+
+
+_request_id_decoder = msgspec.msgpack.Decoder(_AddRequestId)
+
+
+def malformed_request_id(data: bytes) -> str | None:
+    """The request id of an ``AddRequest`` that :func:`decode` refused, when it can be read (so
+    its sender can be told why, instead of waiting for ever)."""
+    try:
+        return _request_id_decoder.decode(data).request_id
+    except msgspec.DecodeError:
+        return None
+
+
+# -- the engine's configuration, handed to the engine-core process as plain values -----------
+
+
+def engine_config_to_dict(config: EngineConfig) -> dict[str, Any]:
+    return msgspec.to_builtins(config)
+
+
+def engine_config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    """Rebuilds (and so re-validates) the config. Raises ValueError on anything malformed."""
+    return msgspec.convert(data, EngineConfig)

@@ -9,8 +9,9 @@ added while a step runs joins the next one; that is also why a load report is al
 Sockets: ZeroMQ ``ipc://`` in a private (0700) directory that the frontend created and bound; this
 process connects a PULL socket (input) and a PUSH socket (output). Everything on them is a
 ``common.core_messages`` message (msgpack). A refused request (``ValueError``,
-``QueueFullError``) is answered with a ``RequestError`` for that request; any other exception is
-fatal: the process sends ``Fatal`` and exits non-zero.
+``QueueFullError``, or an ``AddRequest`` that does not decode) is answered with a
+``RequestError`` for that request; any other malformed message is logged and dropped; any other
+exception is fatal: the process sends ``Fatal`` and exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from common.core_messages import (
@@ -40,10 +42,14 @@ from common.core_messages import (
     decode,
     encode,
     engine_config_from_dict,
+    malformed_request_id,
 )
 from common.engine import EngineCore, QueueFullError
 from common.request import RequestStatus
 from common.scheduler import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from common.kv_connector import ConnectorFactory
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +90,7 @@ class RequestClocks:
         """Stamp requests whose status changed during the step that began at ``step_start``."""
         waiting_kv = RequestStatus.WAITING_FOR_REMOTE_KV
         for request_id, clock in self._clocks.items():
-            request = engine.scheduler.requests.get(request_id)
-            status = request.status if request is not None else None
+            status = engine.request_status(request_id)
             if clock.scheduled is None and status != RequestStatus.WAITING:
                 clock.scheduled = step_start
             if status == waiting_kv and clock.load_start is None:
@@ -136,7 +141,21 @@ class EngineCoreProc:
                 data = self.input.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(decode(data))
+            try:
+                message = decode(data)
+            except ValueError as e:
+                self._refuse_malformed(data, e)
+                continue
+            self._handle(message)
+
+    def _refuse_malformed(self, data: bytes, error: ValueError) -> None:
+        """A message that does not decode never reaches the engine; the core stays up. An
+        ``AddRequest`` whose id can still be read is refused, so its stream ends."""
+        request_id = malformed_request_id(data)
+        if request_id is None:
+            logger.error("dropped a malformed message: %s", error)
+        else:
+            self._send(RequestError(request_id, "invalid_argument", str(error)))
 
     def _handle(self, message: Message) -> None:
         if isinstance(message, AddRequest):
@@ -146,10 +165,12 @@ class EngineCoreProc:
         elif isinstance(message, GetLoad):
             self._send(self._load(message.query_id))
         elif isinstance(message, Shutdown):
-            self._abort(list(self.engine.scheduler.requests))
+            self._abort(self.engine.request_ids())
             self._stopping = True
         else:
-            raise ValueError(f"unexpected message for the engine core: {message.KIND}")
+            logger.error(
+                "dropped a %s message: not one for the engine core", type(message).__name__
+            )
 
     def _add(self, message: AddRequest) -> None:
         try:
@@ -159,6 +180,7 @@ class EngineCoreProc:
                 message.sampling_params,
                 priority=message.priority,
                 output_token_ids=message.output_token_ids or None,
+                kv_handle=message.kv_handle,
             )
         except QueueFullError as e:
             self._send(RequestError(message.request_id, "resource_exhausted", str(e)))
@@ -169,7 +191,7 @@ class EngineCoreProc:
         self.clocks.add(message.request_id)
 
     def _abort(self, request_ids: list[str]) -> None:
-        held = [rid for rid in request_ids if rid in self.engine.scheduler.requests]
+        held = [rid for rid in request_ids if self.engine.request_status(rid) is not None]
         self.engine.abort(request_ids)
         for request_id in request_ids:
             self.clocks.drop(request_id)
@@ -178,25 +200,16 @@ class EngineCoreProc:
             self._send(Outputs(outputs, [None] * len(outputs)))
 
     def _load(self, query_id: int) -> LoadStats:
-        scheduler = self.engine.scheduler
-        waiting = [r for r in scheduler.requests.values() if r.status != RequestStatus.RUNNING]
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-        free, total = self.engine.num_free_blocks(), self.engine.runner.num_blocks
-        return LoadStats(
-            query_id=query_id,
-            num_waiting=len(waiting),
-            num_running=scheduler.num_running,
-            kv_usage=(total - free) / total,
-            num_free_blocks=free,
-            num_total_blocks=total,
-            queued_prompt_tokens=queued,
-        )
+        return LoadStats(**msgspec.structs.asdict(self.engine.stats()), query_id=query_id)
 
     # -- the step ----------------------------------------------------------------------------
     def _step(self) -> None:
         start = time.monotonic()
         outputs = self.engine.step()
         self.clocks.after_step(self.engine, start)
+        for request_id, reason in self.engine.take_refused():  # grammars that did not compile
+            self.clocks.drop(request_id)
+            self._send(RequestError(request_id, "invalid_argument", reason))
         if outputs:
             timings = [self.clocks.first_output(o.request_id) for o in outputs]
             self._send(Outputs(outputs, timings))
@@ -214,18 +227,22 @@ def ready_message(engine: EngineCore) -> Ready:
         block_size=engine.block_size,
         num_total_blocks=engine.runner.num_blocks,
         max_num_seqs=engine.config.scheduler.max_num_seqs,
-        # the store connector's layout fingerprint (kv_store.connector.kv_fingerprint)
-        kv_fingerprint=getattr(connector, "fingerprint", None),
+        kv_fingerprint=connector.fingerprint if connector is not None else None,
         pid=os.getpid(),
     )
 
 
 def run_engine_core(
-    config: dict[str, Any], input_address: str, output_address: str, log_level: int = logging.INFO
+    config: dict[str, Any],
+    input_address: str,
+    output_address: str,
+    log_level: int = logging.INFO,
+    connector_factory: ConnectorFactory | None = None,
 ) -> None:
     """Entry point of the engine-core process (a ``multiprocessing`` spawn target).
 
-    ``config`` is ``engine_config_to_dict(EngineConfig)``: plain values only. SIGINT and SIGTERM
+    ``config`` is ``engine_config_to_dict(EngineConfig)``: plain values only;
+    ``connector_factory`` is handed to the engine (see ``EngineCore``). SIGINT and SIGTERM
     are ignored: the frontend drains first and then sends ``Shutdown``; if the frontend dies, the
     loop notices its parent is gone and exits.
     """
@@ -237,7 +254,7 @@ def run_engine_core(
     output_socket = _socket(context, zmq.PUSH, output_address)
     engine: EngineCore | None = None
     try:
-        engine = EngineCore(engine_config_from_dict(config))
+        engine = EngineCore(engine_config_from_dict(config), connector_factory)
         output_socket.send(encode(ready_message(engine)))
         EngineCoreProc(engine, input_socket, output_socket).run()
     except BaseException:

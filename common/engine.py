@@ -24,18 +24,24 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.config import EngineConfig
 from common.kv_cache_manager import KVCacheManager, cdiv
+from common.kv_connector import KVHandle
 from common.model_runner import ModelRunner, StepResult
 from common.models.loader import read_hf_config
 from common.models.tiny import resolve_model_path
 from common.request import Request, RequestStatus
-from common.sampling_params import SamplingParams, child_seed
-from common.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from common.sampling_params import SamplingParams
+from common.scheduler import EngineCoreOutput, EngineStats, Scheduler, SchedulerOutput
+from common.spec_decode import make_proposer
+
+if TYPE_CHECKING:
+    from common.kv_connector import ConnectorFactory
+    from common.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -45,26 +51,29 @@ class QueueFullError(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """One engine. ``connector_factory`` builds its KV connector when ``config.kv_store`` is set
+    (the engine is handed it; it does not know the store implementations)."""
+
+    def __init__(
+        self, config: EngineConfig, connector_factory: ConnectorFactory | None = None
+    ) -> None:
         self.config = config
         self.model_dir = resolve_model_path(config.model.model)
         self.hf_config = read_hf_config(self.model_dir)
         self.max_model_len = self._max_model_len()
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)  # process-wide: one engine per process
-        self.runner = ModelRunner(
-            self.model_dir,
-            self.hf_config,
-            config=config.runner_config(),
-            cache_config=config.cache,
-            max_model_len=self.max_model_len,
-        )
+        self.runner = self._make_runner()
         self.block_size = config.cache.block_size
-        self._check_cache_fits()
+        try:
+            self._check_cache_fits()
+        except ValueError:
+            self.runner.close()  # tensor-parallel workers must not outlive a refused start
+            raise
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, self.block_size, config.cache.enable_prefix_caching
         )
-        self.connector = self._make_connector()
+        self.connector = self._make_connector(connector_factory)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_cache_manager,
@@ -76,9 +85,35 @@ class EngineCore:
         self._seeds = random.Random(config.model.seed)
         overlap = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
+        self.async_scheduling &= config.tensor_parallel_size == 1  # TP runs the serial loop
+        self.proposer = make_proposer(config.speculative_config, config, self.max_model_len)
+        if self.proposer is not None:
+            check_vocab = getattr(self.proposer, "check_vocab", None)
+            if check_vocab is not None:
+                check_vocab(self.vocab_size)
+            # proposals need each step's tokens on the host before the next step is scheduled
+            self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, StepResult | None] | None = None
+        self._structured: StructuredOutputs | None = None  # built at the first grammar
+        self._refused: list[tuple[str, str]] = []  # (request id, reason) after add_request
 
     # -- set-up ------------------------------------------------------------------------------
+    def _make_runner(self) -> ModelRunner:
+        """One device, or rank 0 of a tensor-parallel group with its worker processes."""
+        args: dict[str, Any] = dict(
+            config=self.config.runner_config(),
+            cache_config=self.config.cache,
+            max_model_len=self.max_model_len,
+        )
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return ModelRunner(self.model_dir, self.hf_config, **args)
+        from common.parallel.executor import start_tensor_parallel
+
+        return start_tensor_parallel(
+            size, self.model_dir, self.hf_config, cpu_threads=self.config.cpu_threads, **args
+        )
+
     def _max_model_len(self) -> int:
         limit = int(self.hf_config.get("max_position_embeddings", 2048))
         asked = self.config.model.max_model_len
@@ -94,14 +129,17 @@ class EngineCore:
                 f"{self.max_model_len} needs {need}: raise the cache budget or lower max_model_len"
             )
 
-    def _make_connector(self):
+    def _make_connector(self, factory: ConnectorFactory | None):
         """(scheduler half, worker half) of the KV store connector, when one is configured."""
         if self.config.kv_store is None:
             return None
-        from kv_store.connector import create_store_connector  # the one wiring point to kv_store
-
+        if factory is None:
+            raise ValueError(
+                "kv_store is set but no connector factory was handed to the engine"
+                " (kv_store.connector.create_store_connector is the store's)"
+            )
         role = self.config.kv_role or "both"
-        sched, worker = create_store_connector(
+        sched, worker = factory(
             self.config.kv_store, role, self.model_dir, self.runner.spec, self.runner.device
         )
         self.runner.set_connector(worker)
@@ -128,31 +166,49 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
+        kv_handle: KVHandle | None = None,
     ) -> None:
         """Validate and queue. Raises ValueError on bad input, QueueFullError when over bound.
 
+        One sample per request (``params.n == 1``): ``common/parallel_sampling.py`` splits a
+        request with ``n`` samples into ``n`` requests before they reach the engine.
         ``output_token_ids`` resumes a request elsewhere: they count as already generated.
+        ``kv_handle``: where the prompt's KV is (a prefill node's answer); the connector checks
+        it against the prompt and then loads exactly what it names.
         """
         self._validate(request_id, prompt_token_ids, params, output_token_ids or [])
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.scheduler.num_waiting} requests)")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        parent = self._make_request(
+        request = self._make_request(
             request_id, prompt_token_ids, params, seed, priority, arrival_time, output_token_ids
         )
-        children = [
-            self._make_request(
-                f"{request_id}#{i}",
-                prompt_token_ids,
-                params,
-                child_seed(seed, i),
-                priority,
-                parent.arrival_time,
-                None,
-            )
-            for i in range(1, params.n)
-        ]
-        self.scheduler.add_request(parent, children)
+        if kv_handle is not None:
+            self._attach_handle(request, kv_handle)
+        if params.structured_outputs is not None:
+            self._structured_outputs().add(request)
+        self.scheduler.add_request(request)
+
+    def _structured_outputs(self) -> StructuredOutputs:
+        """The matchers (and the tokenizer's grammar cache), made at the first grammar."""
+        if self._structured is None:
+            from common.structured_output import GrammarCache, StructuredOutputs
+
+            cache = GrammarCache(self.model_dir, self.vocab_size, self.eos_token_ids)
+            self._structured = StructuredOutputs(cache)
+        return self._structured
+
+    def take_refused(self) -> list[tuple[str, str]]:
+        """Requests refused after ``add_request`` accepted them (a grammar that does not
+        compile), as (request id, reason), each once. They are already ended (aborted)."""
+        refused, self._refused = self._refused, []
+        return refused
+
+    def _attach_handle(self, request: Request, handle: KVHandle) -> None:
+        if self.connector is None:
+            raise ValueError("a KV handle was given but this engine has no KV store")
+        self.connector[0].check_handle(request, handle)  # ValueError: not this prompt's KV
+        request.kv_transfer = handle
 
     def _make_request(
         self, request_id, prompt, params, seed, priority, arrival, outputs
@@ -179,6 +235,13 @@ class EngineCore:
     def _validate(self, request_id, prompt, params: SamplingParams, outputs: list[int]) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
+        if params.n != 1:
+            raise ValueError(
+                f"the engine runs one sample per request, got n={params.n}:"
+                " split it first (common.parallel_sampling.split_samples)"
+            )
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs with tensor_parallel_size > 1 is not supported yet")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:
@@ -192,21 +255,18 @@ class EngineCore:
                 f"prompt of {total} tokens leaves no room to generate: max_model_len is"
                 f" {self.max_model_len}"
             )
-        cap = min(self.config.scheduler.max_n, self.config.scheduler.max_num_seqs)
-        if params.n > cap:
-            raise ValueError(f"n={params.n} is over its cap of {cap} (max_n, max_num_seqs)")
-        if outputs and params.n > 1:
-            raise ValueError("resuming a request (output_token_ids) needs n == 1")
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort in any state; blocks are freed at once."""
-        parents = set(request_ids)  # samples 2..n of a request are "<id>#<i>"
-        ids = [rid for rid in self.scheduler.requests if rid.split("#")[0] in parents]
-        self.scheduler.finish_requests([*parents, *ids], RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self._structured is not None:
+            self._structured.drop(request_ids)
 
     def finish_stopped(self, request_ids: list[str]) -> None:
         """End requests the caller found finished (stop strings)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        if self._structured is not None:
+            self._structured.drop(request_ids)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -214,20 +274,26 @@ class EngineCore:
         schedule and launch this step, then return the outputs of the one before it."""
         if self.connector is not None:
             self._poll_connector()
+        if self._structured is not None:
+            self._poll_grammars(self._structured)
         outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self.scheduler.must_sync(self._in_flight[0]):
             outputs = self._finish_in_flight()
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             if sched_out.connector_meta is not None:
                 self.runner.start_loads(sched_out.connector_meta)
             outputs += self._finish_in_flight()
-            if not outputs and self.scheduler.loading:
-                time.sleep(0.0005)  # only remote loads in flight: don't spin a core
+            if not outputs and (self.scheduler.loading or self._num_compiling()):
+                time.sleep(0.0005)  # only loads or compiles in flight: don't spin a core
             return outputs
+        if self._structured is not None:
+            sched_out.grammar_bitmask = self._structured.bitmask(sched_out)
         result = self.runner.execute(sched_out)
         if not self.async_scheduling:
-            return self._update(sched_out, result)
+            return self._accepted(self._update(sched_out, result))
         outputs += self._finish_in_flight()
         self._in_flight = (sched_out, result)
         return outputs
@@ -237,11 +303,30 @@ class EngineCore:
             return []
         sched_out, result = self._in_flight
         self._in_flight = None
-        return self._update(sched_out, result)
+        return self._accepted(self._update(sched_out, result))
 
     def _update(self, sched_out: SchedulerOutput, result: StepResult | None):
-        sampled = result.tokens() if result is not None else {}
-        return self.scheduler.update_from_output(sched_out, sampled)
+        if result is None:
+            return self.scheduler.update_from_output(sched_out, {})
+        return self.scheduler.update_from_output(
+            sched_out, result.tokens(), result.verified_tokens(), result.prompt_logprobs
+        )
+
+    def _accepted(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Outputs of a finished step, once every matcher has accepted their tokens."""
+        if self._structured is not None:
+            self._structured.accept(outputs)
+        return outputs
+
+    def _poll_grammars(self, structured: StructuredOutputs) -> None:
+        refused = structured.poll()
+        if refused:
+            ids = [request_id for request_id, _ in refused]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self._refused += refused
+
+    def _num_compiling(self) -> int:
+        return self._structured.num_pending if self._structured is not None else 0
 
     def _poll_connector(self) -> None:
         worker = self.connector[1]
@@ -250,9 +335,27 @@ class EngineCore:
             self.scheduler.update_from_connector(done_loading, worker.get_failed_blocks())
 
     def close(self) -> None:
+        if self._structured is not None:
+            self._structured.close()
+            self._structured = None
         if self.connector is not None:
             self.connector[1].close()
+            self.connector[0].close()
             self.connector = None
+        self.runner.close()
+
+    def stats(self) -> EngineStats:
+        """Queue, batch and cache figures now (between steps)."""
+        return self.scheduler.stats()
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        """Status of a request the engine holds (None once it ended or if unknown)."""
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.status
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds."""
+        return list(self.scheduler.requests)
 
     def has_unfinished(self) -> bool:
         """Requests not yet finished (a step in flight only holds tokens for them)."""

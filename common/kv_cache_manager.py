@@ -1,8 +1,8 @@
 """The KV cache manager: the only owner of block tables.
 
-It turns "request R needs N more token slots" into physical block ids, finds prefix-cache hits
-by chained block hashes, shares blocks between ``n > 1`` samples (ref counts) and copies a
-shared partial block before one of them writes into it (copy-on-write). Plain ints, no tensors.
+It turns "request R needs N more token slots" into physical block ids and finds prefix-cache
+hits by chained block hashes; a hit shares full blocks (ref counts), which are never written
+again, so no block is ever copied. Plain ints, no tensors.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class KVCacheManager:
         self.req_to_ids: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}  # request id → leading blocks registered in cache
         self.stats = PrefixCacheStats()
-        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies owed by copy-on-write
 
     # -- queries (no side effects) ------------------------------------------------------------
     @property
@@ -53,9 +52,10 @@ class KVCacheManager:
     def find_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of ``request`` in full blocks. Does not modify the cache.
 
-        At least one token is always left to compute: its logits give the next token.
+        At least one token is always left to compute: its logits give the next token. A request
+        asking for prompt logprobs gets no hit: they need every prompt position computed.
         """
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return NO_HIT
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -89,9 +89,8 @@ class KVCacheManager:
             request.num_computed_tokens + computed.num_tokens + num_external_tokens + num_new_tokens
         )
         num_needed = max(0, cdiv(num_total, self.block_size) - len(held) - len(computed.blocks))
-        cow_index = self._cow_index(request, held)
         revived = sum(1 for b in computed.blocks if b.ref_cnt == 0)  # free now, taken by touch
-        if num_needed + (cow_index is not None) + revived > self.pool.num_free_blocks:
+        if num_needed + revived > self.pool.num_free_blocks:
             if not held:
                 del self.req_to_blocks[request.request_id]
             return None
@@ -99,34 +98,11 @@ class KVCacheManager:
         self.pool.touch(computed.blocks)
         held.extend(computed.blocks)
         ids.extend(b.block_id for b in computed.blocks)
-        if cow_index is not None:
-            self._copy_on_write(held, ids, cow_index)
         new_blocks = self.pool.get_new_blocks(num_needed)
         held.extend(new_blocks)
         new_ids = [b.block_id for b in new_blocks]
         ids.extend(new_ids)
         return new_ids
-
-    def _cow_index(self, request: Request, held: list[KVCacheBlock]) -> int | None:
-        """Index of a shared, partially filled block the next token would write into."""
-        pos = request.num_computed_tokens
-        index = pos // self.block_size
-        if pos % self.block_size and index < len(held) and held[index].ref_cnt > 1:
-            return index
-        return None
-
-    def _copy_on_write(self, held: list[KVCacheBlock], ids: list[int], index: int) -> None:
-        shared = held[index]
-        (private,) = self.pool.get_new_blocks(1)
-        self._copies.append((shared.block_id, private.block_id))
-        held[index] = private
-        ids[index] = private.block_id
-        self.pool.free_blocks([shared])
-
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        """(src, dst) copies the model runner must do before this step's forward pass."""
-        copies, self._copies = self._copies, []
-        return copies
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks covering its first ``num_tokens`` tokens."""
@@ -139,13 +115,19 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached[request.request_id] = max(start, num_full)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent (one more reference each)."""
-        blocks = list(self.req_to_blocks[parent_id])
-        self.pool.touch(blocks)
-        self.req_to_blocks[child_id] = blocks
-        self.req_to_ids[child_id] = list(self.req_to_ids[parent_id])
-        self.num_cached[child_id] = self.num_cached.get(parent_id, 0)
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past its first ``num_tokens`` tokens (the slots of rejected
+        speculative drafts), last first. None of them is in the prefix cache: only real tokens
+        are hashed, and those are all inside ``num_tokens``."""
+        blocks = self.req_to_blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self.num_cached.get(request_id, 0) <= keep, (request_id, keep)
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        del self.req_to_ids[request_id][keep:]
+        self.pool.free_blocks(reversed(dropped))
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first (so prefixes are evicted last)."""
@@ -166,4 +148,3 @@ class KVCacheManager:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         assert set(self.req_to_ids) == set(self.req_to_blocks)
         self.pool.check_integrity(refs)
-        assert not self._copies, "block copies scheduled but never taken"

@@ -6,8 +6,14 @@ and moves bytes. ``common/`` knows only this contract; ``kv_store/connector.py``
 
 Step by step:
 
+0. ``check_handle`` (when a request arrives with a KV handle, e.g. on a decode node): is it a
+   handle of this prompt in this connector's layout? The handle is then the contract: its entries
+   are what the connector loads, without asking the store whether they exist (a missing one is a
+   failed block, recomputed).
 1. ``get_num_new_matched_tokens`` (after the local prefix lookup): how many more prompt tokens
-   the external store holds. No side effects.
+   the external store holds. No side effects on the scheduler; it never waits for the store: a
+   connector that must ask (a request without a handle) asks off the scheduling path and answers
+   ``None`` ("not known yet") until the answer is in, and the scheduler tries again next step.
 2. The scheduler allocates blocks for them and calls ``update_state_after_alloc``; with
    ``load_async`` the request waits in ``WAITING_FOR_REMOTE_KV`` without holding up others.
 3. ``build_connector_meta`` packs this step's loads and saves; the runner binds it, calls
@@ -26,16 +32,31 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import msgspec
+
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
     import torch
 
+    from common.model_runner import KVCacheSpec
     from common.request import Request
     from common.scheduler import SchedulerOutput
 
+    # (store url, role, model dir, cache layout, device) -> both halves: how an engine is handed
+    # its connector (``kv_store.connector.create_store_connector`` is one); picklable, so an
+    # engine-core process can be spawned with it
+    ConnectorFactory = Callable[
+        [str, str, Path, KVCacheSpec, torch.device],
+        tuple["KVConnectorScheduler", "KVConnectorWorker"],
+    ]
 
-@dataclass(frozen=True)
-class KVHandle:
-    """Names a request's prompt KV in a store: enough for any instance to load it."""
+
+class KVHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Names a request's prompt KV in a store: enough for any instance to load it.
+
+    A ``msgspec.Struct``: engine-core messages carry it as it is."""
 
     fingerprint: str
     block_size: int
@@ -76,12 +97,19 @@ class ConnectorMetadata:
 
 
 class MatchedTokens(NamedTuple):
-    num_tokens: int  # extra prompt tokens the store holds beyond the local hit
+    num_tokens: int | None  # extra prompt tokens the store holds beyond the local hit;
+    # None: not known yet (the connector is asking the store off the scheduling path)
     load_async: bool  # True: load in the background; the request waits in its own state
 
 
 class KVConnectorScheduler(ABC):
-    """Scheduler half: decides what to load and save; touches no tensors."""
+    """Scheduler half: decides what to load and save; touches no tensors, never waits for I/O."""
+
+    fingerprint: str  # the layout a handle must name to be loadable here
+
+    @abstractmethod
+    def check_handle(self, request: Request, handle: KVHandle) -> None:
+        """Raise ValueError unless ``handle`` names ``request``'s prompt in this layout."""
 
     @abstractmethod
     def get_num_new_matched_tokens(
@@ -101,6 +129,10 @@ class KVConnectorScheduler(ABC):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, KVHandle | None]:
         """(delay_free, kv_handle): delay_free asks the scheduler to keep the blocks for now."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background work (store lookups) and release the store."""
 
 
 class KVConnectorWorker(ABC):

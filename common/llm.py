@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -12,9 +12,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from common.config import EngineConfig
 from common.engine import EngineCore
 from common.output_processor import CompletionOutput, RequestOutput, TextStream
+from common.parallel_sampling import split_samples
 from common.request import RequestStatus
 from common.sampling_params import SamplingParams
 from common.scheduler import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from common.kv_connector import ConnectorFactory
 
 PromptType = str | list[int]
 
@@ -25,7 +29,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny-llama", dtype: str = "auto", **engine_args: Any):
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, _connector_factory(self.config))
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
             str(self.engine.model_dir)
         )
@@ -41,40 +45,62 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         states: list[_RequestState] = []
+        samples: dict[str, tuple[_RequestState, int]] = {}  # engine request id → sample
         try:
             for prompt, p in zip(prompts, params):
-                states.append(self._add(prompt, p))
-        except Exception:
-            self.engine.abort([s.output.request_id for s in states])  # all or nothing
+                states.append(self._add(prompt, p, samples))
+        except Exception:  # all or nothing (the engine runs only this call's requests)
+            self.engine.abort(self.engine.request_ids())
             raise
-        self._run({s.output.request_id: s for s in states}, use_tqdm)
+        self._run(samples, len(states), use_tqdm)
         return [s.output for s in states]
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> _RequestState:
+    def _add(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        samples: dict[str, tuple[_RequestState, int]],
+    ) -> _RequestState:
+        """Queue the prompt's samples (one engine request each), recording them in ``samples``."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, [int(t) for t in prompt]
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, token_ids, params)
-        return _RequestState(request_id, text, token_ids, params, self.tokenizer)
+        split = split_samples(request_id, params, self.config.scheduler.max_n)
+        for sample in split:  # the engine validates the prompt before anything decodes it
+            self.engine.add_request(sample.request_id, token_ids, sample.params)
+        state = _RequestState(request_id, text, token_ids, params, self.tokenizer)
+        samples.update((sample.request_id, (state, sample.index)) for sample in split)
+        return state
 
-    def _run(self, by_id: dict[str, _RequestState], use_tqdm: bool) -> None:
-        unfinished = len(by_id)
+    def _run(
+        self, samples: dict[str, tuple[_RequestState, int]], num_requests: int, use_tqdm: bool
+    ) -> None:
+        unfinished = num_requests
         num_out = 0
         with tqdm(total=unfinished, desc="generating", disable=not use_tqdm) as bar:
             while unfinished:
                 stopped: list[str] = []
                 for out in self.engine.step():
-                    state = by_id[out.request_id.split("#")[0]]
+                    state, index = samples[out.request_id]
                     num_out += len(out.new_token_ids)
-                    if state.update(out, stopped):
+                    if state.update(out, index, stopped):
                         unfinished -= 1
                         bar.update(1)
                         bar.set_postfix(
                             tok_s=f"{num_out / max(bar.format_dict['elapsed'], 1e-9):.0f}"
                         )
                 self.engine.finish_stopped(stopped)
+                self._raise_refused()
+
+    def _raise_refused(self) -> None:
+        """A request the engine refused after accepting it (its grammar does not compile)
+        fails the whole call, like a refusal at ``add_request``."""
+        refused = self.engine.take_refused()
+        if refused:
+            self.engine.abort(self.engine.request_ids())
+            raise ValueError(refused[0][1])
 
     def check_integrity(self) -> None:
         """All blocks consistent; with nothing running, every block is free again."""
@@ -94,17 +120,20 @@ class _RequestState:
         ]
         self.num_done = 0
 
-    def update(self, out: EngineCoreOutput, stopped: list[str]) -> bool:
-        """Apply one engine output; returns True when the whole request has finished."""
-        index = int(out.request_id.split("#")[1]) if "#" in out.request_id else 0
+    def update(self, out: EngineCoreOutput, index: int, stopped: list[str]) -> bool:
+        """Apply one engine output of sample ``index``; returns True when the whole request has
+        finished."""
         sample, stream = self.output.outputs[index], self.streams[index]
         if sample.finish_reason is not None:
             return False  # tokens after a stop string, from the step that found it
-        sample.token_ids.extend(out.new_token_ids)
+        kept = _add_until_stop(stream, out.new_token_ids, final=out.finish_reason is not None)
+        sample.token_ids.extend(out.new_token_ids[:kept])
         if sample.logprobs is not None:
-            sample.logprobs.extend(out.new_logprobs)
-        self.output.num_cached_tokens = out.num_cached_tokens
-        stream.add(out.new_token_ids, final=out.finish_reason is not None)
+            sample.logprobs.extend(out.new_logprobs[:kept])
+        if index == 0:  # its siblings hit the prompt blocks it computed: count them once
+            self.output.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.output.prompt_logprobs = out.prompt_logprobs
         if stream.stopped is not None and out.finish_reason is None:
             stopped.append(out.request_id)
             sample.finish_reason, sample.stop_reason = "stop", stream.stopped
@@ -116,6 +145,20 @@ class _RequestState:
         self.num_done += 1
         self.output.finished = self.num_done == len(self.streams)
         return self.output.finished
+
+
+def _add_until_stop(stream: TextStream, token_ids: list[int], final: bool) -> int:
+    """Feed ``token_ids`` to ``stream``; returns how many to keep. Several tokens at once (a
+    speculative step) go one by one while stop strings are watched, so the output ends at the
+    token that completed the stop string, as it does when tokens come one per step."""
+    if len(token_ids) == 1 or not stream.stop:
+        stream.add(token_ids, final=final)
+        return len(token_ids)
+    for i, token_id in enumerate(token_ids):
+        stream.add([token_id], final=final and i == len(token_ids) - 1)
+        if stream.stopped is not None:
+            return i + 1
+    return len(token_ids)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -141,3 +184,14 @@ def _as_params_list(
 
 
 __all__ = ["LLM", "RequestOutput", "RequestStatus"]
+
+
+def _connector_factory(config: EngineConfig) -> ConnectorFactory | None:
+    """The store connector when the engine is given a KV store (``kv_store=…``), else None.
+
+    Imported only then: an engine without a store never loads the store clients."""
+    if config.kv_store is None:
+        return None
+    from kv_store.connector import create_store_connector
+
+    return create_store_connector

@@ -81,15 +81,17 @@ def _profile(
         request.num_output_placeholders = 1
         ids = list(range(first, first + blocks[i]))
         first += blocks[i]
-        scheduled.append(ScheduledRequest(request, q, 1, ids, n - q))
+        scheduled.append(ScheduledRequest(request, q, True, ids, n - q))
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
     inputs = runner.inputs.prepare(scheduled, {})
     hidden = runner.model(inputs.input_ids, inputs.positions, list(cache.unbind(0)), inputs.meta)
-    if sample:
+    if sample and runner.tp is not None and runner.tp.rank > 0:  # its share of the gather
+        runner.model.lm_head(hidden.index_select(0, inputs.logits_rows))
+    elif sample:
         logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-        rows, _ = runner._sample_rows(scheduled)
+        rows = runner._sample_rows(scheduled)[0]
         runner.sampler.sample(logits, rows)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base

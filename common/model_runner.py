@@ -12,6 +12,7 @@ it schedules ahead.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +27,11 @@ from common.host_memory import keep_freed_host_memory, zeros_on_huge_pages
 from common.kv_connector import ConnectorHooks, ConnectorMetadata, KVConnectorWorker
 from common.models.llama import LlamaForCausalLM
 from common.models.loader import build_model, resolve_dtype
+from common.parallel.group import TensorParallel
+from common.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from common.request import TokenLogprobs
-from common.sampler import Sampler, SamplerOutput, SampleRow, to_device
-from common.scheduler import SampledTokens, ScheduledRequest, SchedulerOutput
+from common.sampler import Sampler, SamplerOutput, SampleRow
+from common.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from common.step_inputs import BatchLimits, InputBuffers, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -60,12 +63,30 @@ def resolve_device(name: str) -> torch.device:
 
 class StepResult:
     """The sampled tokens of one step. On CUDA their copy to pinned host memory starts at once;
-    ``tokens()`` is the step's single wait for the device."""
+    ``tokens()`` is the step's single wait for the device.
 
-    def __init__(self, sampled: SamplerOutput, rows: list[SampleRow], owners: list[str]):
+    ``owners[i]`` owns ``counts[i]`` consecutive rows: 1, or ``k + 1`` for a request verifying
+    ``k`` speculative drafts (``verified_tokens()``). ``prompt_logprobs``: the prompt tokens
+    this step scored, per request asking for them (already on the host); ``sampled`` is None
+    for a step that sampled nothing but scored prompt tokens."""
+
+    def __init__(
+        self,
+        sampled: SamplerOutput | None,
+        rows: list[SampleRow],
+        owners: list[str],
+        counts: list[int] | None = None,
+        prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None,
+    ):
         self.rows, self.owners = rows, owners
-        tensors = [t for t in sampled if t is not None]
+        self.counts = counts or [1] * len(owners)
+        self.prompt_logprobs = prompt_logprobs or {}
+        self._per_row: list[SampledToken] | None = None
         self._event: torch.cuda.Event | None = None
+        if sampled is None:
+            self._per_row = []
+            return
+        tensors = [t for t in sampled if t is not None]
         if tensors and tensors[0].device.type == "cuda":
             tensors = [_to_pinned(t) for t in tensors]
             self._event = torch.cuda.Event()
@@ -73,19 +94,38 @@ class StepResult:
         it = iter(tensors)
         self._host = SamplerOutput._make(next(it) if t is not None else None for t in sampled)
 
-    def tokens(self) -> dict[str, SampledTokens]:
-        if self._event is not None:
-            self._event.synchronize()
-        result = self._host
-        token_ids = result.token_ids.tolist()
-        lps = _to_token_logprobs(result, token_ids, self.rows)
-        out: dict[str, SampledTokens] = {}
-        for i, owner in enumerate(self.owners):
-            entry = out.setdefault(owner, SampledTokens([], [] if lps is not None else None))
-            entry.token_ids.append(token_ids[i])
-            if lps is not None and entry.logprobs is not None:
-                entry.logprobs.append(lps[i])
+    def tokens(self) -> dict[str, SampledToken]:
+        """The token of every request sampling one row."""
+        per_row, row = self._rows(), 0
+        out: dict[str, SampledToken] = {}
+        for owner, count in zip(self.owners, self.counts):
+            if count == 1:
+                out[owner] = per_row[row]
+            row += count
         return out
+
+    def verified_tokens(self) -> dict[str, list[SampledToken]]:
+        """The target's samples at every verified position of the requests with drafts."""
+        per_row, row = self._rows(), 0
+        out: dict[str, list[SampledToken]] = {}
+        for owner, count in zip(self.owners, self.counts):
+            if count > 1:
+                out[owner] = per_row[row : row + count]
+            row += count
+        return out
+
+    def _rows(self) -> list[SampledToken]:
+        if self._per_row is None:
+            if self._event is not None:
+                self._event.synchronize()
+            result = self._host
+            token_ids = result.token_ids.tolist()
+            lps = _to_token_logprobs(result, token_ids, self.rows)
+            self._per_row = [
+                SampledToken(t, lps[i] if lps is not None else None)
+                for i, t in enumerate(token_ids)
+            ]
+        return self._per_row
 
 
 class ModelRunner:
@@ -100,8 +140,12 @@ class ModelRunner:
         config: RunnerConfig,
         cache_config: CacheConfig,
         max_model_len: int,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """``tp``: this runner is one rank of a tensor-parallel group (``common/parallel/``)
+        and holds that rank's shard of the weights and KV heads."""
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # process-wide; see common/host_memory.py
@@ -116,20 +160,19 @@ class ModelRunner:
             max_model_len,
             config.load_format,
             config.seed,
+            tp,
         )
         a = self.model.args
+        kv_heads = self.model.num_local_kv_heads
         self.vocab_size = a.vocab_size
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.spec = KVCacheSpec(
-            a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype
-        )
+        self.spec = KVCacheSpec(a.num_layers, kv_heads, a.head_dim, self.block_size, self.dtype)
         blocks_per_seq = -(-max_model_len // self.block_size)
         self.inputs = InputBuffers(
             BatchLimits(
                 max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                 max_seqs=config.max_num_seqs,
-                max_samples=config.max_num_seqs,  # n samples take n seats
                 max_blocks_per_seq=blocks_per_seq,
             ),
             self.block_size,
@@ -137,11 +180,11 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and tp is None:
             self.graphs = DecodeGraphs.for_runner(self, capture=True)
         self.num_blocks = self._num_blocks(cache_config)
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): see ARCHITECTURE.md
-        shape = (a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        shape = (a.num_layers, 2, self.num_blocks, self.block_size, kv_heads, a.head_dim)
         if self.device.type == "cpu":
             self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
         else:
@@ -155,6 +198,9 @@ class ModelRunner:
         # in flight is read from here by the next step (see common/step_inputs.py)
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Nothing to release on one device (``ParallelModelRunner`` stops its workers)."""
 
     def set_connector(self, connector: KVConnectorWorker) -> None:
         self.connector = connector
@@ -171,21 +217,26 @@ class ModelRunner:
             budget = cuda_kv_budget(self, cfg.gpu_memory_utilization)
         else:
             budget = _CPU_DEFAULT_KV_GB * 2**30
-        return max(1, int(budget // self.spec.bytes_per_block))
+        num_blocks = max(1, int(budget // self.spec.bytes_per_block))
+        if self.tp is not None:  # every rank the same count: the smallest
+            from common.parallel.executor import agree_on_min
+
+            num_blocks = agree_on_min(self.tp, num_blocks)
+        return num_blocks
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult | None:
         """Launch one step. Returns its sampled tokens (still on their way) or None."""
-        self._copy_blocks(out.block_copies)
         hidden, inputs = self._forward(out)
-        if not inputs.num_logits_rows:
-            return None  # a step of prompt chunks only: nothing sampled
+        prompt = compute_prompt_logprobs(hidden, out.scheduled, self.model.compute_logits)
+        if not inputs.num_logits_rows:  # a step of prompt chunks only: nothing sampled
+            return StepResult(None, [], [], prompt_logprobs=prompt) if prompt else None
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-        rows, owners = self._sample_rows(out.scheduled)
-        sampled = self.sampler.sample(logits, rows)
-        self._remember(sampled.token_ids, owners)
-        return StepResult(sampled, rows, owners)
+        rows, owners, counts = self._sample_rows(out.scheduled)
+        sampled = self.sampler.sample(logits, rows, out.grammar_bitmask)
+        self._remember(sampled.token_ids, owners, counts)
+        return StepResult(sampled, rows, owners, counts, prompt)
 
     def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
         connector = self.connector
@@ -222,40 +273,39 @@ class ModelRunner:
             self.connector.start_load_kv(self.kv_cache)
             self.connector.clear_connector_metadata()
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            src = to_device([s for s, _ in copies], torch.int64, self.device)
-            dst = to_device([d for _, d in copies], torch.int64, self.device)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-    def _remember(self, token_ids: torch.Tensor, owners: list[str]) -> None:
-        rows: dict[str, int] = {}
-        for i, owner in enumerate(owners):
-            rows.setdefault(owner, i)
-        self._prev_sampled, self._prev_rows = token_ids, rows
+    def _remember(self, token_ids: torch.Tensor, owners: list[str], counts: list[int]) -> None:
+        self._prev_sampled = token_ids
+        ends = itertools.accumulate(counts)
+        self._prev_rows = {owner: end - 1 for owner, end in zip(owners, ends)}
 
     def _sample_rows(self, scheduled: list[ScheduledRequest]):
-        """One row per sample; a request forking into ``n`` samples gets ``n`` rows. A row's
-        position counts the outputs still in flight before it (its own is the last one)."""
+        """One row per request that samples (``k + 1`` rows with ``k`` drafts: position
+        ``p + j`` sees the drafts before it as outputs). A row's position counts the outputs
+        still in flight before it (its own is the last one)."""
         rows: list[SampleRow] = []
         owners: list[str] = []
+        counts: list[int] = []
         for s in scheduled:
+            if not s.samples:
+                continue
             r = s.request
             position = r.num_output_tokens + r.num_output_placeholders - 1
-            for i in range(s.num_samples):
-                seed = r.seed if i == 0 else r.child_seeds[i - 1]
+            drafts = s.spec_token_ids
+            for j in range(len(drafts) + 1):
+                outputs = r.output_token_ids + drafts[:j] if j else r.output_token_ids
                 rows.append(
                     SampleRow(
                         r.sampling_params,
-                        seed,
-                        position,
+                        r.seed,
+                        position + j,
                         r.prompt_token_ids,
-                        r.output_token_ids,
+                        outputs,
                         r.eos_token_id,
                     )
                 )
-                owners.append(r.request_id)
-        return rows, owners
+            owners.append(r.request_id)
+            counts.append(len(drafts) + 1)
+        return rows, owners, counts
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # vLLM's: per prompt token (None first) when SamplingParams.prompt_logprobs was set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TextStream:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+
+import msgspec
 
 from common.block_hash import BlockHash, hash_blocks, root_hash
 from common.kv_connector import KVHandle
@@ -45,14 +46,15 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass
-class TokenLogprobs:
-    """Logprob of a chosen token and the top-k alternatives (ids and logprobs, best first)."""
+class TokenLogprobs(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Logprob of a chosen token and the top-k alternatives (ids and logprobs, best first).
+
+    A ``msgspec.Struct``: it travels in every step's output message as a short array."""
 
     token_id: int
     logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class Request:
@@ -90,16 +92,24 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
         self.output_logprobs: list[TokenLogprobs] = []
+        # per prompt token (None first: nothing precedes it), filled chunk by chunk as the
+        # prefill scores them (common/prompt_logprobs.py); None when not asked for
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         # sampled by a step still in flight, id not known yet (see common/scheduler.py)
         self.num_output_placeholders = 0
+        # draft tokens proposed for the next step (speculative decoding, common/spec_decode/)
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
-        self.child_seeds: list[int] = []  # seeds of samples 2..n, forked after the prompt
         self.kv_handle: KVHandle | None = None  # set by a producer connector at finish
+        self.kv_transfer: KVHandle | None = None  # where this prompt's KV waits (a decode node)
         self.num_external_tokens = 0  # prompt tokens whose KV came through the connector
         self.expected_external_tokens = 0  # what the connector promised to load
+        self.waiting_for_grammar = False  # its grammar is compiling: not schedulable yet
         self.block_size = block_size
         self.block_hashes: list[BlockHash] = []
         self.update_block_hashes()
@@ -127,6 +137,11 @@ class Request:
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
         self.update_block_hashes()
+
+    def set_prompt_logprobs(self, first_token: int, items: list[TokenLogprobs]) -> None:
+        """Scores of prompt tokens ``first_token, …`` (a recomputed chunk overwrites them)."""
+        assert self.prompt_logprobs is not None, "this request asked for no prompt logprobs"
+        self.prompt_logprobs[first_token : first_token + len(items)] = items
 
     def update_block_hashes(self) -> None:
         """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""

@@ -21,7 +21,7 @@ _M32 = 0xFFFFFFFF
 
 @dataclass
 class SampleRow:
-    """One row of logits to sample: a request's next token (or one of its ``n`` first tokens)."""
+    """One row of logits to sample: a request's next token."""
 
     params: SamplingParams
     seed: int
@@ -65,8 +65,14 @@ class Sampler:
     them (which rows are random, whether any row has min-p) is made from the host lists.
     """
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+    def sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], bitmask: object | None = None
+    ) -> SamplerOutput:
+        """``bitmask``: the step's grammar bitmask (see :func:`apply_token_bitmask`) or None."""
         raw = logits
+        if bitmask is not None:
+            assert isinstance(bitmask, torch.Tensor)
+            logits = apply_token_bitmask(logits, bitmask)
         logits = _mask_min_tokens(logits, rows)
         if any(r.params.needs_penalties for r in rows):
             logits = _apply_penalties(logits, rows)
@@ -90,6 +96,18 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Grammar masks for the whole batch in one ``masked_fill`` (on a copy).
+
+    ``bitmask``: (B, ceil(V/32)) int32 on the host, bit ``v % 32`` of word ``v // 32`` set when
+    token ``v`` is allowed (xgrammar's layout; a row of all ones leaves its logits alone)."""
+    B, V = logits.shape
+    words = to_device(bitmask, torch.int32, logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().view(B, -1)[:, :V]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

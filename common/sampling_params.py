@@ -3,7 +3,58 @@
 from __future__ import annotations
 
 import hashlib
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json`` (a JSON schema, as a dict or its text; kept as compact text), ``regex``, ``choice``
+    (the output is one of these strings), ``grammar`` (EBNF/GBNF) or ``json_object`` (any JSON
+    object). Only the shape is checked here; the engine compiles it and refuses what does not
+    compile (a ValueError for the caller: HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False  # JSON: no optional whitespace between tokens
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json, separators=(",", ":"), sort_keys=True)
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs need exactly one of json, regex, choice, grammar or"
+                f" json_object, got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                "structured outputs choice must be a non-empty list of non-empty strings"
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured outputs {name} must be a non-empty string")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what a compiled grammar is cached under (with the tokenizer)."""
+        if self.json is not None:
+            return ("json_nows" if self.disable_any_whitespace else "json", str(self.json))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", _json.dumps(self.choice))
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        return ("json_object", "")
 
 
 @dataclass
@@ -31,12 +82,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per output token (0: only the chosen)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (vLLM's; prefill only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):  # as msgspec or a caller hands it
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -64,6 +119,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be <= max_tokens")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
         if any(not s for s in self.stop):
@@ -83,6 +140,10 @@ class SamplingParams:
 
 
 def child_seed(seed: int, index: int) -> int:
-    """Seed of sample ``index`` (>= 1) of an ``n > 1`` request: distinct, reproducible."""
+    """Seed of sample ``index`` of an ``n > 1`` request with ``seed``: the seed itself for sample
+    0 (so it samples what the same request with ``n == 1`` samples), a distinct, reproducible
+    seed derived from it for the others."""
+    if index == 0:
+        return seed
     digest = hashlib.sha256(f"pdserve-sample:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1

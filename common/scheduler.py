@@ -20,68 +20,135 @@ a decoding request whose next token is still on the device simply gets one more 
 runner takes its id from step N's sampled tensor). What cannot be known ahead stays exact: a
 request that stops at step N has its step N+1 row dropped (the runner computed one token for
 nobody), one at ``max_tokens`` is not scheduled ahead, and ``must_sync`` tells the engine when a
-request's next step needs its previous token on the host (penalties, a pending fork into ``n``).
+request's next step needs its previous token on the host (penalties).
+
+NOTE: ``n > 1``. The engine never sees a request with several samples: the caller splits it into
+``n`` requests with the same prompt (``common/parallel_sampling.py``), arriving together. They
+share the prompt's KV through the prefix cache, and in one prefill: the first one admitted
+registers its full prompt blocks as soon as they are scheduled (KV is written before attention
+reads it, in every layer), so its siblings, admitted behind it in the same step, hit every full
+block and compute only the last partial one. A prompt longer than the step's budget is chunked by
+the first; running requests are served before waiting ones, so a sibling is admitted only once
+the first's last chunk leaves budget over, and then hits all of its blocks too. (With prefix
+caching off, each sample computes the prompt.)
+
+NOTE: speculative decoding (``common/spec_decode/``). A decoding request holding draft tokens
+(``spec_token_ids``, set by the engine's proposer before ``schedule``) is scheduled as its last
+token plus the drafts — as many as the budget, ``max_tokens`` and ``max_model_len`` leave — and
+samples at every one of those positions. ``update_from_output`` keeps the drafts that equal the
+target's samples plus the sample after them, stops inside that run at a stop token or
+``max_tokens``, and rolls the rejected drafts' KV back (``num_computed_tokens`` trimmed, blocks
+past it freed; only real tokens are ever hashed into the prefix cache).
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
 
 from common.config import SchedulerConfig
 from common.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
 from common.kv_connector import ConnectorMetadata, KVConnectorScheduler, KVHandle
 from common.request import Request, RequestStatus, TokenLogprobs
+from common.spec_decode import num_accepted
+
+if TYPE_CHECKING:  # common.prompt_logprobs imports this module
+    from common.prompt_logprobs import PromptLogprobsChunk
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step. ``num_samples`` > 0 when this step yields its next token
-    (``n`` first tokens for a request about to fork into ``n`` samples)."""
+    """One request's share of a step. ``samples`` when this step yields its next token."""
 
     request: Request
     num_new_tokens: int
-    num_samples: int
+    samples: bool
     block_ids: list[int]  # the request's whole block table after this step's allocation
     num_computed_tokens: int  # tokens in the cache before this step: where its tokens start
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before forward
     preempted_ids: list[str] = field(default_factory=list)
     connector_meta: ConnectorMetadata | None = None
+    # set by the engine after ``schedule``: the step's grammar bitmask (a host tensor, one row
+    # per sampling row; common/structured_output.py). The scheduler never reads it.
+    grammar_bitmask: object | None = None
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
-@dataclass
-class SampledTokens:
-    """What the model runner returns for one scheduled request with ``num_samples`` > 0."""
+class SampledToken(NamedTuple):
+    """What the model runner returns for one scheduled request that ``samples``."""
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None
+    token_id: int
+    logprobs: TokenLogprobs | None = None
 
 
-@dataclass
-class EngineCoreOutput:
-    """Progress of one request after a step (new tokens, and the finish reason if it ended)."""
+class EngineCoreOutput(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Progress of one request after a step (new tokens, and the finish reason if it ended).
+
+    A ``msgspec.Struct``: a step's outputs travel to the frontend as they are, as short arrays."""
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    parent_id: str | None = None  # set on the first output of a forked sample
     num_cached_tokens: int = 0
     kv_handle: KVHandle | None = None  # producer: where the prompt's KV now lives
     num_external_tokens: int = 0  # prompt tokens loaded through the connector
+    # with the first output token of a request that asked for them: one per prompt token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
+    """The engine's load between two steps (what a node reports to its router; the engine
+    core's ``LoadStats`` reply is these fields and a query id)."""
+
+    num_waiting: int  # waiting or preempted, plus those waiting for a KV load
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    queued_prompt_tokens: int  # prompt tokens of waiting requests still to compute
+    # speculative decoding, over the engine's life: verifications, drafts, drafts accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 with no drafts)."""
+        return self.spec_num_accepted_tokens / max(self.spec_num_draft_tokens, 1)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: 1 + accepted drafts per draft run (vLLM's)."""
+        return 1.0 + self.spec_num_accepted_tokens / max(self.spec_num_drafts, 1)
+
+    @property
+    def kv_usage(self) -> float:
+        """Used / total blocks, in [0, 1]."""
+        return (self.num_total_blocks - self.num_free_blocks) / self.num_total_blocks
+
+
+class _Remote(enum.Enum):
+    """What the connector said about a waiting request's prompt."""
+
+    NONE = enum.auto()  # nothing (more) to load: compute it
+    PARKED = enum.auto()  # loading: the request waits in WAITING_FOR_REMOTE_KV
+    UNKNOWN = enum.auto()  # the store is being asked: try again next step
 
 
 class WaitingQueue:
@@ -134,32 +201,37 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
-        self._fork_children: dict[str, list[Request]] = {}  # parent id → samples 2..n
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens computed over the engine's life (for tests/stats)
         self.loading: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV, keyed by request id
         self._ended_ids: set[str] = set()  # ended since the worker connector last heard
+        self.spec_counts = [0, 0, 0]  # speculative: verifications, drafts, drafts accepted
 
     # -- admission ---------------------------------------------------------------------------
-    def add_request(self, request: Request, children: Iterable[Request] = ()) -> None:
-        """Queue a request; ``children`` are its samples 2..n, forked once its prompt is done."""
+    def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        kids = list(children)
-        if kids:
-            self._fork_children[request.request_id] = kids
-            request.child_seeds = [child.seed for child in kids]
         self.waiting.push(request)
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        """Queue, batch and cache figures now (between steps)."""
+        waiting = [r for r in self.requests.values() if r.status != RequestStatus.RUNNING]
+        return EngineStats(
+            num_waiting=len(waiting),
+            num_running=len(self.running),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks,
+            queued_prompt_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            spec_num_drafts=self.spec_counts[0],
+            spec_num_draft_tokens=self.spec_counts[1],
+            spec_num_accepted_tokens=self.spec_counts[2],
+        )
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -170,7 +242,6 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         self.num_scheduled_tokens += out.num_batched_tokens
-        out.block_copies = self.kv.take_block_copies()
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta(out)
         for item in out.scheduled:  # their KV is written by this step's forward pass
@@ -185,9 +256,11 @@ class Scheduler:
             if num_new <= 0:  # waits for its output in flight, or stops there
                 index += 1
                 continue
+            drafts = self._take_drafts(request, num_new, budget)
+            num_new += len(drafts)
             if not self._allocate_or_preempt(request, index, num_new, out):
                 continue  # ``request`` itself was preempted; ``running`` shrank
-            self._add_scheduled(out, request, num_new)
+            self._add_scheduled(out, request, num_new, drafts)
             budget -= num_new
             index += 1
         return budget
@@ -202,6 +275,19 @@ class Scheduler:
         ):
             return 0
         return request.num_tokens + pending - request.num_computed_tokens
+
+    def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts to verify this step (consumed): on a plain decode row only, as
+        many as the budget, ``max_tokens`` and ``max_model_len`` leave room for."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or num_new != 1 or request.num_output_placeholders:
+            return []
+        room = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return drafts[: max(room, 0)]
 
     def _allocate_or_preempt(
         self, request: Request, index: int, num_new: int, out: SchedulerOutput
@@ -222,6 +308,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -230,18 +317,33 @@ class Scheduler:
         out.preempted_ids.append(request.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        asking: list[Request] = []  # the store is being asked, or the grammar compiles
+        try:
+            self._admit_waiting(out, budget, asking)
+        finally:
+            for request in asking:  # back in their places, for the next step
+                self.waiting.push(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, asking: list[Request]) -> None:
         while budget > 0:
             request = self.waiting.peek()
             if request is None or request.num_output_placeholders:
                 return  # (a request preempted with a token in flight waits for it)
-            seats = 1 + len(self._fork_children.get(request.request_id, ()))
-            if self._seats_taken() + seats > self.config.max_num_seqs:
-                return  # its n samples will all run: ``max_num_seqs`` bounds every step
+            if len(self.running) >= self.config.max_num_seqs:
+                return
+            if request.waiting_for_grammar:  # compiling off the loop: the next one goes
+                asking.append(self.waiting.pop())
+                continue
             # A request back from a remote load already holds blocks and computed tokens.
             resumed = request.request_id in self.kv.req_to_blocks
             hit = NO_HIT if resumed else self.kv.find_computed_blocks(request)
-            if not resumed and self._start_remote_load(request, hit):
-                continue
+            if not resumed:
+                remote = self._start_remote_load(request, hit)
+                if remote is _Remote.PARKED:
+                    continue
+                if remote is _Remote.UNKNOWN:  # never wait for the store: the next one goes
+                    asking.append(self.waiting.pop())
+                    continue
             computed = request.num_computed_tokens if resumed else hit.num_tokens
             num_new = request.num_tokens - computed
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -260,30 +362,20 @@ class Scheduler:
             self._add_scheduled(out, request, num_new)
             budget -= num_new
 
-    def _seats_taken(self) -> int:
-        """Running requests, plus the samples running parents will fork into."""
-        forks = sum(
-            len(kids)
-            for parent_id, kids in self._fork_children.items()
-            if self.requests[parent_id].status == RequestStatus.RUNNING
-        )
-        return len(self.running) + forks
-
-    def _start_remote_load(self, request: Request, hit: ComputedBlocks) -> bool:
-        """Ask the connector for more of the prompt; park the request while it loads.
-
-        Returns True when the request left the waiting queue for ``WAITING_FOR_REMOTE_KV``.
-        """
-        if self.connector is None:
-            return False
+    def _start_remote_load(self, request: Request, hit: ComputedBlocks) -> _Remote:
+        """Ask the connector for more of the prompt; park the request while it loads."""
+        if self.connector is None or request.prompt_logprobs is not None:
+            return _Remote.NONE  # (prompt logprobs need the prompt computed here)
         matched = self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
+        if matched.num_tokens is None:
+            return _Remote.UNKNOWN
         if matched.num_tokens == 0:
-            return False
+            return _Remote.NONE
         # Only asynchronous loads exist here: a loading request always waits in its own state,
         # and its blocks land layer by layer in the forward pass after the fetch.
         assert matched.load_async, "synchronous KV loads are not supported by this scheduler"
         if self.kv.allocate_slots(request, 0, hit, matched.num_tokens) is None:
-            return False  # no room to land it: compute the prompt like any other
+            return _Remote.NONE  # no room to land it: compute the prompt like any other
         self.waiting.pop()
         self.kv.record_lookup(request, hit)
         request.num_cached_tokens = hit.num_tokens
@@ -293,7 +385,7 @@ class Scheduler:
         self.loading[request.request_id] = request
         block_ids = self.kv.get_block_ids(request.request_id)
         self.connector.update_state_after_alloc(request, block_ids, matched.num_tokens)
-        return True
+        return _Remote.PARKED
 
     def update_from_connector(self, done_loading: set[str], failed_blocks: set[int]) -> None:
         """Finished loads go back to waiting with what arrived counted as computed; a failed
@@ -326,80 +418,101 @@ class Scheduler:
         ended, self._ended_ids = self._ended_ids, set()
         return ended
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_scheduled(
+        self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> None:
         start = request.num_computed_tokens
-        done = start + num_new >= request.num_tokens + request.num_output_placeholders
-        num_samples = 0
-        if done:
-            num_samples = 1 + len(self._fork_children.get(request.request_id, ()))
+        samples = start + num_new >= request.num_tokens + request.num_output_placeholders
+        if samples:
             request.num_output_placeholders += 1
         block_ids = self.kv.get_block_ids(request.request_id)
-        out.scheduled.append(ScheduledRequest(request, num_new, num_samples, block_ids, start))
+        item = ScheduledRequest(request, num_new, samples, block_ids, start, drafts or [])
+        out.scheduled.append(item)
         # Blocks become shareable as soon as their tokens are scheduled: KV is written before
         # attention reads it in every layer, so a same-step hit reads valid data.
         self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
 
     # -- after the forward pass ---------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, SampledTokens]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, SampledToken],
+        verified: dict[str, list[SampledToken]] | None = None,
+        prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None,
     ) -> list[EngineCoreOutput]:
+        """Apply a step's tokens. ``verified``: the target's samples at every position of the
+        requests that verified drafts (``len(drafts) + 1`` each); ``prompt_logprobs``: the
+        prompt tokens the step scored, kept on their requests until the first output token."""
         results: list[EngineCoreOutput] = []
         for item in out.scheduled:
             request = item.request
-            if item.num_samples == 0:
+            chunk = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
+            if chunk is not None and not request.is_finished:
+                request.set_prompt_logprobs(chunk.first_token, chunk.items)
+            if not item.samples:
                 continue
             request.num_output_placeholders -= 1
             if request.is_finished:  # ended while this step ran: its token is for nobody
                 continue
-            tokens = sampled[request.request_id]
-            results.append(self._accept_token(request, tokens.token_ids[0], tokens, 0))
-            for i, child in enumerate(self._fork(request), start=1):
-                result = self._accept_token(child, tokens.token_ids[i], tokens, i)
-                result.parent_id = request.request_id
-                results.append(result)
+            if item.spec_token_ids:
+                assert verified is not None
+                results.append(self._accept_verified(item, verified[request.request_id]))
+            else:
+                results.append(self._accept_tokens(request, [sampled[request.request_id]]))
         return results
+
+    def _accept_verified(
+        self, item: ScheduledRequest, targets: list[SampledToken]
+    ) -> EngineCoreOutput:
+        """Keep the accepted drafts and the target's token after them; roll back the rest."""
+        request, drafts = item.request, item.spec_token_ids
+        accepted = num_accepted(drafts, [t.token_id for t in targets])
+        self.spec_counts[0] += 1
+        self.spec_counts[1] += len(drafts)
+        self.spec_counts[2] += accepted
+        output = self._accept_tokens(request, targets[: accepted + 1])
+        if not request.is_finished:  # the rejected drafts' KV is garbage: forget it
+            request.num_computed_tokens = request.num_tokens - 1
+            self.kv.trim(request.request_id, request.num_computed_tokens)
+        return output
 
     def must_sync(self, out: SchedulerOutput) -> bool:
         """Whether the step ``out`` must be finished (its tokens known on the host) before the
         next one is scheduled: a request sampling in it has penalties (they count its output
-        tokens) or forks into its ``n`` samples when it ends."""
+        tokens) or a grammar (its matcher must accept the token before the next mask)."""
         return any(
-            item.num_samples
+            item.samples
             and (
                 item.request.sampling_params.needs_penalties
-                or item.request.request_id in self._fork_children
+                or item.request.sampling_params.structured_outputs is not None
             )
             for item in out.scheduled
         )
 
-    def _fork(self, parent: Request) -> list[Request]:
-        children = self._fork_children.pop(parent.request_id, [])
-        for child in children:
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.status = RequestStatus.RUNNING
-            self.kv.fork(parent.request_id, child.request_id)
-            self.requests[child.request_id] = child
-            self.running.append(child)
-        return children
-
-    def _accept_token(
-        self, request: Request, token_id: int, tokens: SampledTokens, index: int
-    ) -> EngineCoreOutput:
-        logprobs = tokens.logprobs[index] if tokens.logprobs else None
-        request.append_output_token(token_id, logprobs)
-        status = self._check_stop(request, token_id)
-        if status is not None:
-            self._finish(request, status)
+    def _accept_tokens(self, request: Request, tokens: list[SampledToken]) -> EngineCoreOutput:
+        """Append ``tokens`` in order, stopping at the first that ends the request."""
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        first = request.num_output_tokens == 0
+        for token_id, token_logprobs in tokens:
+            request.append_output_token(token_id, token_logprobs)
+            token_ids.append(token_id)
+            if token_logprobs is not None:
+                logprobs.append(token_logprobs)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                break
         return EngineCoreOutput(
             request.request_id,
-            [token_id],
-            [logprobs] if logprobs else [],
+            token_ids,
+            logprobs,
             request.status.finish_reason,
             request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             kv_handle=request.kv_handle,
             num_external_tokens=request.num_external_tokens,
+            prompt_logprobs=request.prompt_logprobs if first else None,
         )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -424,8 +537,6 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
                 self._finish(request, status)
-            for child in self._fork_children.pop(request_id, []):
-                child.status = status
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -5,9 +5,10 @@ NOTE: the layout. Every array of a step lives at a fixed offset of one of two fl
 per dtype; the host twin is pinned on CUDA, and on CPU the host buffers are the device buffers.
 
 ```
-int64  [ token ids : T ][ positions : T ][ slot mapping : T ][ logits rows : R ][ fill : 2T ]
+int64  [ token ids : T ][ positions : T ][ slot mapping : T ][ logits rows : T ][ fill : 2T ]
 int32  [ query_start_loc : S+1 ][ seq lens : S ][ block tables : S x row stride ]
-         T = max_num_batched_tokens, S = R = max_num_seqs (x n samples for logits rows)
+         T = max_num_batched_tokens, S = max_num_seqs (a sequence verifying speculative
+         drafts samples every one of its tokens: up to T logits rows)
 ```
 
 The block tables' row stride is the step's widest table (eager steps), or a fixed width for a
@@ -37,7 +38,6 @@ class BatchLimits:
 
     max_tokens: int  # tokens per step (max_num_batched_tokens, or more for padded graphs)
     max_seqs: int  # sequences per step
-    max_samples: int  # sampled rows per step (a request forking into n samples takes n)
     max_blocks_per_seq: int  # block table width for max_model_len
 
 
@@ -47,7 +47,7 @@ class StepInputs(NamedTuple):
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # (R,) int64: hidden rows to sample, one per sample
+    logits_rows: torch.Tensor  # (R,) int64: hidden rows to sample (k + 1 with k drafts)
     num_logits_rows: int
     num_fill: int  # tokens to take from the previous step's sampled ids
 
@@ -71,8 +71,8 @@ def _offsets(lim: BatchLimits) -> _Offsets:
         positions=t,
         slots=2 * t,
         logits_rows=3 * t,
-        fill=3 * t + lim.max_samples,
-        int64_size=5 * t + lim.max_samples,
+        fill=4 * t,
+        int64_size=6 * t,
         seq_lens=s + 1,
         block_tables=2 * s + 1,
         int32_size=2 * s + 1 + s * lim.max_blocks_per_seq,
@@ -100,6 +100,7 @@ class InputBuffers:
         ]
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._host)
         self._turn = itertools.cycle(range(len(self._host)))
+        self.last_host = self._host[0]  # the host set of the latest step (TP broadcasts it)
         if on_cuda:
             self.int64 = torch.zeros(self.off.int64_size, dtype=torch.int64, device=device)
             self.int32 = torch.zeros(self.off.int32_size, dtype=torch.int32, device=device)
@@ -161,6 +162,7 @@ class InputBuffers:
         event = self._copied[k]
         if event is not None:
             event.synchronize()  # the copy of two steps ago; long done in practice
+        self.last_host = (host64, host32)
         h64, h32 = host64.numpy(), host32.numpy()
         batch = _HostBatch.build(scheduled, self.block_size, prev_rows)
         num_seqs = padded_seqs or len(scheduled)
@@ -189,6 +191,31 @@ class InputBuffers:
             num_fill=len(batch.fill_dst),
         )
 
+    def adopt(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        stride: int,
+        num_rows: int,
+        max_query_len: int,
+        max_seq_len: int,
+    ) -> StepInputs:
+        """A tensor-parallel worker's step: ``last_host`` already holds the host buffers rank 0
+        prepared (eager, nothing to fill); copy them to the device and return the views."""
+        host64, host32 = self.last_host
+        o = self.off
+        if self.device.type == "cuda":  # blocking: the next step's receive reuses the host set
+            self.int64.copy_(host64)
+            self.int32.copy_(host32)
+        views = self.views(num_tokens, num_seqs, stride)
+        h32 = host32.numpy()
+        meta = views.meta
+        meta.query_lens = np.diff(h32[: num_seqs + 1]).tolist()
+        meta.seq_lens_cpu = h32[o.seq_lens : o.seq_lens + num_seqs].tolist()
+        meta.max_query_len, meta.max_seq_len = max_query_len, max_seq_len
+        rows = self.int64[o.logits_rows : o.logits_rows + num_rows]
+        return views._replace(meta=meta, logits_rows=rows, num_logits_rows=num_rows)
+
     def fill_from(self, inputs: StepInputs, previous: torch.Tensor) -> None:
         """Put the ids still on the device (``previous``: last step's sampled ids) in place."""
         if not inputs.num_fill:
@@ -203,13 +230,12 @@ class InputBuffers:
         if (
             num_tokens > lim.max_tokens
             or num_seqs > lim.max_seqs
-            or len(batch.logits_rows) > lim.max_samples
             or stride > lim.max_blocks_per_seq
             or stride < batch.max_blocks
         ):
             raise ValueError(
-                f"step of {num_tokens} tokens, {num_seqs} sequences, {len(batch.logits_rows)}"
-                f" samples, {batch.max_blocks} blocks per sequence exceeds {lim}"
+                f"step of {num_tokens} tokens, {num_seqs} sequences, {batch.max_blocks} blocks"
+                f" per sequence exceeds {lim}"
             )
 
 
@@ -252,7 +278,10 @@ class _HostBatch:
         tokens, fill_dst, fill_src = _gather_tokens(scheduled, qsl, prev_rows, total)
         rows, cols, ids, widest = _flat_tables(scheduled)
         logits_rows = [
-            int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) for _ in range(s.num_samples)
+            row
+            for i, s in enumerate(scheduled)
+            if s.samples
+            for row in range(int(qsl[i + 1]) - 1 - len(s.spec_token_ids), int(qsl[i + 1]))
         ]
         return _HostBatch(
             tokens,
@@ -323,7 +352,9 @@ def _gather_tokens(
             tokens[lo] = r.all_token_ids[a]  # the common decode row: no slice, no array
         else:
             tokens[lo : lo + known - a] = r.all_token_ids[a:known]
-        if known < b:  # exactly one: the token the previous step sampled for this request
+        if s.spec_token_ids:  # drafts to verify follow the request's newest token
+            tokens[lo + known - a : lo + b - a] = s.spec_token_ids
+        elif known < b:  # exactly one: the token the previous step sampled for this request
             assert b - known == 1, (r.request_id, a, b, r.num_tokens)
             tokens[lo + known - a] = 0
             fill_dst.append(lo + known - a)

@@ -2,10 +2,13 @@
 
 A request arrives with its prompt, the tokens generated so far (at least the first one, from
 the prefill node; more when it resumes here after another decode node died) and the KV handle
-the prefill node returned. The handle is checked against this node (same layout fingerprint,
-block size, prompt length and block hashes); then the engine loads what the store holds and
-recomputes the rest, and tokens stream back as each step makes them. Without a handle the prompt
-is simply recomputed. Cancelling the call aborts the request in the engine.
+the prefill node returned — or with neither handle nor tokens: the router's prefill fallback
+(no prefill instance could serve), which this node runs whole, prompt and first token included.
+The handle is the contract: it goes into the engine with the request, whose connector checks
+it against the prompt (layout fingerprint, block size, the hashes the engine computes once for
+its own prefix cache) and loads exactly the entries it names — an entry that is missing or
+corrupt is recomputed, never waited for — and tokens stream back as each step makes them. Without a handle the prompt is simply recomputed. Cancelling the call aborts the
+request in the engine.
 """
 
 from __future__ import annotations
@@ -16,18 +19,17 @@ from collections.abc import AsyncIterator
 import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-
-from common.block_hash import prompt_block_hashes
-from common.core_client import CoreOutput, CoreRequestError
-from common.core_messages import Ready
-from common.kv_connector import KVHandle
-from common.sampling_params import SamplingParams
-from node_frontend.convert import (
+from pdserve_proto.convert import (
     finish_reason_to_proto,
     kv_handle_from_proto,
     logprob_to_proto,
     sampling_params_from_proto,
 )
+
+from common.core_client import CoreOutput, CoreRequestError
+from common.core_messages import Ready
+from common.kv_connector import KVHandle
+from common.sampling_params import SamplingParams
 from node_frontend.options import DECODE_PORT
 from node_frontend.runtime import NodeRpcs, NodeRuntime, abort_with, invalid_argument
 from node_frontend.server import NodeKind, add_node_command
@@ -35,14 +37,15 @@ from node_frontend.stats import TokenTimer
 
 
 def check_kv_handle(handle: KVHandle, prompt: list[int], info: Ready) -> None:
-    """Raise ValueError unless ``handle`` names this prompt's KV in this node's layout."""
-    if (
-        handle.fingerprint != info.kv_fingerprint
-        or handle.block_size != info.block_size
-        or handle.num_tokens != len(prompt)
-        or handle.block_hashes != prompt_block_hashes(prompt, info.block_size)
-    ):
-        raise ValueError("KV handle is for another model/prompt")
+    """Raise ValueError unless ``handle`` is in this node's layout and of this prompt's length
+    (cheap checks at the door; the engine compares the block hashes, which it computes anyway)."""
+    if handle.fingerprint != info.kv_fingerprint or handle.block_size != info.block_size:
+        raise ValueError(
+            f"KV handle is for another model or layout ({handle.fingerprint}, block size"
+            f" {handle.block_size}); this node serves {info.kv_fingerprint}, {info.block_size}"
+        )
+    if handle.num_tokens != len(prompt):
+        raise ValueError(f"KV handle holds {handle.num_tokens} tokens, the prompt {len(prompt)}")
 
 
 def check_decode_request(request: pb.DecodeRequest, params: SamplingParams, info: Ready) -> None:
@@ -51,8 +54,8 @@ def check_decode_request(request: pb.DecodeRequest, params: SamplingParams, info
         raise ValueError("request_id is required")
     if not request.prompt_token_ids:
         raise ValueError("prompt is empty: at least one token is needed")
-    if not request.output_token_ids:
-        raise ValueError("output_token_ids must hold at least the first token")
+    if not request.output_token_ids and request.HasField("kv_handle"):
+        raise ValueError("output_token_ids must hold the first token that came with the handle")
     if params.max_tokens is not None and params.max_tokens <= len(request.output_token_ids):
         raise ValueError(
             f"max_tokens={params.max_tokens} leaves nothing to generate after"
@@ -135,12 +138,14 @@ class DecodeServicer(NodeRpcs, pb_grpc.DecodeServiceServicer):
     async def _stream(
         self, request: pb.DecodeRequest, params: SamplingParams, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeResponse]:
+        handle = kv_handle_from_proto(request.kv_handle) if request.HasField("kv_handle") else None
         stream = self.runtime.core.add_request(
             request.request_id,
             list(request.prompt_token_ids),
             params,
             priority=request.priority,
             output_token_ids=list(request.output_token_ids),
+            kv_handle=handle,
         )
         responses = _DecodeStream(request, params, self.runtime)
         async with stream:

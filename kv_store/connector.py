@@ -17,7 +17,9 @@ import hashlib
 import json
 import logging
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -59,22 +61,48 @@ def prompt_hashes(request: Request) -> list[bytes]:
     )
 
 
-def prompt_entries(request: Request, fingerprint: str) -> list[tuple[str, int]]:
+def prompt_entries(
+    request: Request, fingerprint: str, hashes: list[bytes] | None = None
+) -> list[tuple[str, int]]:
     """(key, num_tokens) of the prompt's store entries: full blocks, then a final partial one."""
     n, bs = request.num_prompt_tokens, request.block_size
     out = []
-    for i, block_hash in enumerate(prompt_hashes(request)):
+    for i, block_hash in enumerate(prompt_hashes(request) if hashes is None else hashes):
         tokens = min(bs, n - i * bs)
         out.append((make_key(fingerprint, block_hash, None if tokens == bs else tokens), tokens))
     return out
 
 
+class _Prompt(NamedTuple):
+    """A request's prompt as the store names it: block hashes and (key, num_tokens) entries."""
+
+    hashes: list[bytes]
+    entries: list[tuple[str, int]]
+
+
 class StoreConnectorScheduler(KVConnectorScheduler):
+    """Decides loads and saves. Never waits for the store on the scheduling path: a request
+    with a KV handle loads what the handle names without asking (a missing entry is a failed
+    block, recomputed); one without asks the store on the lookup thread and is "not known yet"
+    (``MatchedTokens(None, …)``) until the answer is in."""
+
     def __init__(self, store: KVStore, fingerprint: str, block_size: int, role: str, url: str):
         self.store, self.fingerprint, self.block_size = store, fingerprint, block_size
         self.role, self.url = role, url
         self._loads: list[LoadSpec] = []
         self._saved: dict[str, int] = {}  # request id → prompt entries already saved
+        self._lookups: dict[str, Future[list[bool]]] = {}  # request id → store's answer
+        self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-lookup")
+        self._prompts: dict[str, _Prompt] = {}  # request id → its store names, made once
+
+    def _prompt(self, request: Request) -> _Prompt:
+        """The request's store names, hashed once per request (dropped when it finishes)."""
+        prompt = self._prompts.get(request.request_id)
+        if prompt is None:
+            hashes = prompt_hashes(request)
+            prompt = _Prompt(hashes, prompt_entries(request, self.fingerprint, hashes))
+            self._prompts[request.request_id] = prompt
+        return prompt
 
     @property
     def loads(self) -> bool:
@@ -84,24 +112,52 @@ class StoreConnectorScheduler(KVConnectorScheduler):
     def saves(self) -> bool:
         return self.role in ("producer", "both")
 
+    def check_handle(self, request: Request, handle: KVHandle) -> None:
+        if handle.fingerprint != self.fingerprint or handle.block_size != self.block_size:
+            raise ValueError(
+                f"KV handle is for another layout ({handle.fingerprint}, block size"
+                f" {handle.block_size}); this node is {self.fingerprint}, {self.block_size}"
+            )
+        if handle.num_tokens != request.num_prompt_tokens or list(handle.block_hashes) != (
+            self._prompt(request).hashes
+        ):
+            self._prompts.pop(request.request_id, None)  # refused: the request never runs
+            raise ValueError("KV handle names another prompt's KV")
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         if not self.loads:
             return MatchedTokens(0, False)
         candidates = self._candidates(request, num_computed_tokens)
         if not candidates:
             return MatchedTokens(0, False)
-        present = self.store.contains_many([key for key, _ in candidates])
+        if request.kv_transfer is not None:  # the handle is the contract: no existence check
+            return MatchedTokens(sum(n for _, n in candidates), True)
+        present = self._lookup(request)
+        if present is None:
+            return MatchedTokens(None, True)
+        first = num_computed_tokens // self.block_size
         matched = 0
-        for (_, n), ok in zip(candidates, present):
+        for (_, n), ok in zip(candidates, present[first:]):
             if not ok:
                 break
             matched += n
         return MatchedTokens(matched, True)
 
+    def _lookup(self, request: Request) -> list[bool] | None:
+        """Which of the prompt's entries the store holds, asked on the lookup thread: None until
+        it answers (a failed ask is an answer: nothing there)."""
+        future = self._lookups.get(request.request_id)
+        if future is None:
+            keys = [key for key, _ in self._prompt(request).entries]
+            future = self._lookup_thread.submit(self.store.contains_many, keys)
+            self._lookups[request.request_id] = future
+        if not future.done():
+            return None
+        return future.result() if future.exception() is None else []
+
     def _candidates(self, request: Request, num_computed: int) -> list[tuple[str, int]]:
         """Entries after the local hit whose tokens still leave one token to compute."""
-        entries = prompt_entries(request, self.fingerprint)
-        entries = entries[num_computed // self.block_size :]
+        entries = self._prompt(request).entries[num_computed // self.block_size :]
         budget = request.num_tokens - 1 - num_computed
         out = []
         for key, n in entries:
@@ -112,6 +168,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         return out
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
+        self._lookups.pop(request.request_id, None)
         first = request.num_computed_tokens // self.block_size
         entries, total = [], 0
         for key, n in self._candidates(request, request.num_computed_tokens):
@@ -144,7 +201,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         if ready <= start:
             return None  # every step of a decoding request ends here, before any hashing
         self._saved[request.request_id] = ready
-        chosen = prompt_entries(request, self.fingerprint)[start:ready]
+        chosen = self._prompt(request).entries[start:ready]
         return SaveSpec(
             request.request_id,
             [k for k, _ in chosen],
@@ -155,16 +212,19 @@ class StoreConnectorScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: list[int]):
         self._saved.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        prompt = self._prompts.pop(request.request_id, None)
         if not self.saves:
             return False, None
+        hashes = prompt_hashes(request) if prompt is None else prompt.hashes
         handle = KVHandle(
-            self.fingerprint,
-            self.block_size,
-            request.num_prompt_tokens,
-            prompt_hashes(request),
-            self.url,
+            self.fingerprint, self.block_size, request.num_prompt_tokens, hashes, self.url
         )
         return False, handle  # blocks are copied out during the step: nothing to hold
+
+    def close(self) -> None:
+        self._lookup_thread.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
 
 
 def create_store_connector(

@@ -8,12 +8,14 @@ Precedence: a flag given on the command line, else ``PDSERVE_<FLAG>`` (``--kv-st
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from common.config import EngineConfig, env_overrides
+from common.spec_decode.config import SpeculativeConfig
 
 PREFILL_PORT = 50061
 DECODE_PORT = 50071
@@ -30,8 +32,10 @@ ENGINE_OPTIONS = (
     "max_model_len",
     "cpu_threads",
     "kv_cache_memory_gb",
+    "gpu_memory_utilization",
     "enforce_eager",
     "async_scheduling",
+    "tensor_parallel_size",
 )
 
 
@@ -61,10 +65,15 @@ class NodeOptions:
     max_model_len: int | None = None
     cpu_threads: int | None = None
     kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
+    tensor_parallel_size: int | None = None  # > 1 with a KV store: refused by the engine (yet)
+    speculative_config: str | None = None  # vLLM's JSON (decode nodes; a prefill makes 1 token)
 
     def __post_init__(self) -> None:
+        if self.speculative_config:
+            self.speculative()  # a bad JSON or config fails at start-up, with its reason
         if not self.kv_store:
             raise ValueError("--kv-store is required (redis://… or file:///…)")
         if not 0 <= self.port < 65536:
@@ -80,6 +89,9 @@ class NodeOptions:
         kwargs: dict[str, Any] = {
             n: getattr(self, n) for n in names if getattr(self, n) is not None
         }
+        if self.speculative_config and kv_role == "consumer":
+            # decode nodes only: a prefill samples one token, a draft model would only take memory
+            kwargs["speculative_config"] = self.speculative()
         max_waiting = (self.max_num_seqs or 256) + self.max_queue
         return EngineConfig.from_kwargs(
             model=self.model,
@@ -88,6 +100,16 @@ class NodeOptions:
             max_waiting=max(1, max_waiting),
             **kwargs,
         )
+
+    def speculative(self) -> SpeculativeConfig:
+        """``--speculative-config`` parsed. Raises ValueError on bad JSON or a bad config."""
+        try:
+            values = json.loads(self.speculative_config or "")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        return SpeculativeConfig.from_dict(values)
 
     def address(self, bound_port: int) -> str:
         """Where the router should call: ``--advertise-address``, else host:port - with a
@@ -130,8 +152,16 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--max-model-len", int, "engine: longest prompt + output (default: the model's)"),
     ("--cpu-threads", int, "engine (CPU): torch threads of the engine process"),
     ("--kv-cache-memory-gb", float, "engine: KV cache size in GiB (default: from free memory)"),
+    ("--gpu-memory-utilization", float, "engine (CUDA): share of GPU memory to use (default 0.9)"),
     ("--enforce-eager", "flag", "engine (CUDA): no decode CUDA graphs"),
     ("--async-scheduling", "flag", "engine: schedule the next step while one runs (default: CUDA)"),
+    ("--tensor-parallel-size", int, "engine: ranks the model is split over (default 1)"),
+    (
+        "--speculative-config",
+        str,
+        'engine (decode): speculative decoding, vLLM\'s JSON, e.g. \'{{"method": "ngram",'
+        ' "num_speculative_tokens": 3}}\'',
+    ),
 ]
 
 

@@ -1,8 +1,10 @@
 """Keeps a node registered with a router: Register, then Heartbeat with a LoadReport.
 
-The loop never gives up: while the router is down it retries (backing off to
-``max_retry_s``); a Heartbeat answered ``known=false`` (the router dropped or forgot us)
-registers again. :meth:`RouterRegistration.stop` ends the loop and sends Deregister.
+The RegisterRequest carries the node's ``NodeInfo`` (model, KV fingerprint, block size,
+max_model_len), from which the router learns its layout. The loop never gives up: while the
+router is down, or refuses the node (it cannot pool it with the nodes it has), it retries
+(backing off to ``max_retry_s``); a Heartbeat answered ``known=false`` (the router dropped or
+forgot us) registers again. :meth:`RouterRegistration.stop` ends the loop and sends Deregister.
 """
 
 from __future__ import annotations
@@ -87,13 +89,18 @@ class RouterRegistration:
                 retry_s = 0.2
                 await asyncio.sleep(self.interval_s)
             except grpc.aio.AioRpcError as e:
-                if self.registered or retry_s == 0.2:
-                    logger.warning(
-                        "router %s unreachable (%s): retrying", self.router, e.code().name
-                    )
+                self._log_failure(e, first=self.registered or retry_s == 0.2)
                 self.registered = False
                 await asyncio.sleep(retry_s)
                 retry_s = min(retry_s * 2, self.max_retry_s)
+
+    def _log_failure(self, error: grpc.aio.AioRpcError, first: bool) -> None:
+        """A refusal (this node cannot join the router's pool: another model or KV layout) is
+        an error worth its reason every time; an unreachable router, a warning once."""
+        if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            logger.error("router %s refused this node: %s", self.router, error.details())
+        elif first:
+            logger.warning("router %s unreachable (%s): retrying", self.router, error.code().name)
 
     async def _beat(self) -> None:
         """Register if needed, else Heartbeat (registering again when the router forgot us)."""

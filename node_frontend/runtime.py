@@ -17,10 +17,16 @@ from typing import NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import (
+    load_to_proto,
+    node_info_from_engine,
+    node_info_to_proto,
+    node_load_from_engine,
+)
+from pdserve_proto.nodes import NodeInfo, NodeLoad
 
 from common.core_client import CoreClient, CoreRequestError
 from common.core_messages import Ready
-from node_frontend.convert import load_report
 from node_frontend.options import NodeOptions
 from node_frontend.stats import NodeStats
 
@@ -124,7 +130,12 @@ class NodeRuntime:
                 self._idle.set()
 
     # -- shared RPCs -------------------------------------------------------------------------
-    async def load_report(self) -> pb.LoadReport:
+    @property
+    def node_info(self) -> NodeInfo:
+        """What this node serves (model, KV layout), from its engine's ``Ready``."""
+        return node_info_from_engine(self.info)
+
+    async def load(self) -> NodeLoad:
         """Engine load plus this node's recent latencies and rates; never raises (an engine
         that cannot answer reports zeros)."""
         stats = None
@@ -134,18 +145,15 @@ class NodeRuntime:
             except (RuntimeError, asyncio.TimeoutError) as e:
                 logger.warning("engine core did not report its load: %s", e)
         max_num_seqs = self.core.info.max_num_seqs if self.core.info is not None else 0
-        report = load_report(self.role, stats, max_num_seqs, self.draining)
-        summary = self.stats.summary()
-        report.ttft_p50_ms, report.ttft_p90_ms = summary.ttft_p50_ms, summary.ttft_p90_ms
-        report.itl_p50_ms, report.itl_p90_ms = summary.itl_p50_ms, summary.itl_p90_ms
-        report.prefill_tokens_per_s = summary.prefill_tokens_per_s
-        report.decode_tokens_per_s = summary.decode_tokens_per_s
-        return report
+        return self.stats.with_latencies(node_load_from_engine(stats, max_num_seqs, self.draining))
+
+    async def load_report(self) -> pb.LoadReport:
+        return load_to_proto(self.role, await self.load())
 
 
 class NodeRpcs:
-    """``Abort`` and ``GetLoad``, the same on every node kind (mix in before the generated
-    servicer base class)."""
+    """``Abort``, ``GetLoad`` and ``GetInfo``, the same on every node kind (mix in before the
+    generated servicer base class)."""
 
     runtime: NodeRuntime
 
@@ -160,3 +168,10 @@ class NodeRpcs:
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadReport:
         return await self.runtime.load_report()
+
+    async def GetInfo(
+        self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.NodeInfo:
+        if self.runtime.core.info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "node is not ready")
+        return node_info_to_proto(self.runtime.node_info)

@@ -28,6 +28,7 @@ import grpc
 import uvloop
 from grpc_health.v1 import health_pb2_grpc
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import node_info_to_proto
 
 from common.core_client import CoreClient
 from node_frontend.options import NodeOptions, add_node_arguments, options_from_args
@@ -66,11 +67,21 @@ class _Signals:
         (self.force if self.stop.is_set() else self.stop).set()
 
 
+def store_connector(*args):  # type: ignore[no-untyped-def]
+    """The engine's KV connector (``kv_store.connector.create_store_connector``), imported in
+    the engine-core process only: the frontend stays free of torch."""
+    from kv_store.connector import create_store_connector
+
+    return create_store_connector(*args)
+
+
 async def serve(options: NodeOptions, kind: NodeKind) -> int:
     """Run the node until SIGTERM/SIGINT; returns the process exit status."""
     signals = _Signals()
     core = CoreClient(
-        options.engine_config(kind.kv_role), startup_timeout_s=options.startup_timeout
+        options.engine_config(kind.kv_role),
+        connector_factory=store_connector,  # the node wires the store into its engine
+        startup_timeout_s=options.startup_timeout,
     )
     runtime = NodeRuntime(kind.role, kind.service_name, options, core)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error
@@ -83,6 +94,8 @@ async def serve(options: NodeOptions, kind: NodeKind) -> int:
             await server.stop(None)
             return 0
     except RuntimeError as e:
+        if str(e).startswith("Failed to bind"):  # grpc's words: name the flag instead
+            e = RuntimeError(f"cannot listen on {options.host}:{options.port} (--port changes it)")
         logger.error("node failed to start: %s", e)
         await server.stop(None)
         await runtime.shutdown()
@@ -136,8 +149,7 @@ def _registration(
         f"-{uuid.uuid4().hex[:8]}",
         role=kind.role,
         address=options.address(port),
-        model=options.model,
-        fingerprint=runtime.info.kv_fingerprint or "",
+        info=node_info_to_proto(runtime.node_info),
     )
     credentials = None
     if options.router_tls_ca is not None:

@@ -1,4 +1,4 @@
-"""Recent latency percentiles and token rates that a node reports in ``GetLoad``.
+"""Recent latency percentiles and token rates: the frontend's part of a node's ``NodeLoad``.
 
 Each series keeps the samples of the last ``span_s`` seconds (30 s by default, capped in count so
 memory stays bounded under load). Times are ``time.monotonic()`` seconds; latencies milliseconds.
@@ -6,11 +6,12 @@ memory stays bounded under load). Times are ``time.monotonic()`` seconds; latenc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
+from pdserve_proto.nodes import NodeLoad
 
 
 class Window:
@@ -45,16 +46,6 @@ class Window:
         return total / elapsed if elapsed > 0 else 0.0
 
 
-@dataclass
-class LatencySummary:
-    ttft_p50_ms: float
-    ttft_p90_ms: float
-    itl_p50_ms: float
-    itl_p90_ms: float
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-
-
 class NodeStats:
     """What a node measured recently: TTFT (arrival at the node → first token leaves it), ITL
     (gap between successive tokens of one request), prompt tokens computed and tokens generated.
@@ -66,16 +57,18 @@ class NodeStats:
         self.prefill_tokens = Window(span_s)
         self.decode_tokens = Window(span_s)
 
-    def summary(self) -> LatencySummary:
+    def with_latencies(self, load: NodeLoad) -> NodeLoad:
+        """``load`` with this window's latency percentiles and token rates filled in."""
         ttft = self.ttft_ms.percentiles((50, 90))
         itl = self.itl_ms.percentiles((50, 90))
-        return LatencySummary(
-            ttft[0],
-            ttft[1],
-            itl[0],
-            itl[1],
-            self.prefill_tokens.rate(),
-            self.decode_tokens.rate(),
+        return dataclasses.replace(
+            load,
+            ttft_p50_ms=ttft[0],
+            ttft_p90_ms=ttft[1],
+            itl_p50_ms=itl[0],
+            itl_p90_ms=itl[1],
+            prefill_tokens_per_s=self.prefill_tokens.rate(),
+            decode_tokens_per_s=self.decode_tokens.rate(),
         )
 
 

@@ -1,10 +1,15 @@
 """``pdserve prefill``: the Prefill RPC over an engine with the KV store connector.
 
-A prompt runs with ``max_tokens`` forced to 1: its KV is written to the store block by block
-during the forward pass, and the engine samples the first token only once ``wait_for_save`` says
-every block is durable, so the reply (first token + KV handle) always names blocks a decode node
-can read. The engine's KV role is ``both``: a prefix that another instance already stored is
-loaded instead of recomputed (cross-instance prefix reuse).
+A request that may generate more than one token is *handed off*: the engine runs it with
+``max_tokens`` = 1, its KV is written to the store block by block during the forward pass, and
+the engine samples the first token only once ``wait_for_save`` says every block is durable, so
+the reply (first token, ``FINISH_REASON_HANDED_OFF`` and the KV handle) always names blocks a
+decode node can read. Whether a request is handed off is decided from the request before it
+runs, never by reinterpreting the engine's finish reason: the engine's ``stop`` (EOS, a stop id)
+ends the request here, and a request that cannot go on (``max_tokens`` == 1, or the context full
+after one token) runs as it is and reports the engine's own finish. The engine's KV role is
+``both``: a prefix that another instance already stored is loaded instead of recomputed
+(cross-instance prefix reuse).
 """
 
 from __future__ import annotations
@@ -16,18 +21,26 @@ import time
 import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-
-from common.core_client import CoreOutput, CoreRequestError
-from common.sampling_params import SamplingParams
-from node_frontend.convert import (
+from pdserve_proto.convert import (
     finish_reason_to_proto,
     kv_handle_to_proto,
     logprob_to_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
 )
+
+from common.core_client import CoreOutput, CoreRequestError
+from common.sampling_params import SamplingParams
 from node_frontend.options import PREFILL_PORT
 from node_frontend.runtime import NodeRpcs, NodeRuntime, abort_with, invalid_argument
 from node_frontend.server import NodeKind, add_node_command
+
+
+def hands_off(params: SamplingParams, prompt_len: int, max_model_len: int) -> bool:
+    """Whether the request may generate more than its first token (which may still stop it):
+    then it is handed off to a decode node after that token."""
+    room = max_model_len - prompt_len
+    return min(params.max_tokens or room, room) > 1
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -46,10 +59,12 @@ class PrefillServicer(NodeRpcs, pb_grpc.PrefillServiceServicer):
         async with self.runtime.admit(context):
             arrival = time.monotonic()
             params = await self._params(request, context)
+            prompt = list(request.prompt_token_ids)
+            handing_off = hands_off(params, len(prompt), self.runtime.info.max_model_len)
             stream = self.runtime.core.add_request(
                 request.request_id,
-                list(request.prompt_token_ids),
-                first_token_params(params),
+                prompt,
+                first_token_params(params) if handing_off else params,
                 priority=request.priority,
             )
             async with stream:
@@ -58,7 +73,7 @@ class PrefillServicer(NodeRpcs, pb_grpc.PrefillServiceServicer):
                 except CoreRequestError as e:
                     await abort_with(context, e)
             self._record(request, item, arrival)
-            return self._response(request, params, item)
+            return self._response(request, params, item, handing_off)
 
     async def _params(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -80,19 +95,32 @@ class PrefillServicer(NodeRpcs, pb_grpc.PrefillServiceServicer):
         stats.prefill_tokens.add(max(computed, 0))
 
     def _response(
-        self, request: pb.PrefillRequest, params: SamplingParams, item: CoreOutput
+        self,
+        request: pb.PrefillRequest,
+        params: SamplingParams,
+        item: CoreOutput,
+        handing_off: bool,
     ) -> pb.PrefillResponse:
         out = item.output
+        # Handing off, the engine was asked for one token: its "length" is that token, the
+        # request goes on; any other finish (stop, abort) is the request's own.
+        handed_off = handing_off and out.finish_reason == "length"
         response = pb.PrefillResponse(
             request_id=request.request_id,
-            finish_reason=self._finish_reason(request, params, out.finish_reason),
+            finish_reason=(
+                pb.FINISH_REASON_HANDED_OFF
+                if handed_off
+                else finish_reason_to_proto(out.finish_reason)
+            ),
             num_cached_tokens=out.num_cached_tokens,
         )
         if out.new_token_ids:
             response.first_token_id = out.new_token_ids[0]
         if params.logprobs is not None and out.new_logprobs:
             response.first_logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
-        if out.kv_handle is not None and out.finish_reason != "abort":
+        if out.prompt_logprobs is not None:
+            response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
+        if handed_off and out.kv_handle is not None:
             response.kv_handle.CopyFrom(kv_handle_to_proto(out.kv_handle))
         if isinstance(out.stop_reason, int):
             response.stop_token_id = out.stop_reason
@@ -102,17 +130,6 @@ class PrefillServicer(NodeRpcs, pb_grpc.PrefillServiceServicer):
             response.timing.queue_ms = timing.queue_ms
             response.timing.compute_ms = timing.load_ms + timing.compute_ms
         return response
-
-    def _finish_reason(
-        self, request: pb.PrefillRequest, params: SamplingParams, reason: str | None
-    ) -> pb.FinishReason.ValueType:
-        """``length`` from the forced ``max_tokens=1`` means "go on decoding" unless the request
-        itself asked for one token or the context is now full."""
-        if reason == "length":
-            context_full = len(request.prompt_token_ids) + 1 >= self.runtime.info.max_model_len
-            if params.max_tokens != 1 and not context_full:
-                return pb.FINISH_REASON_UNSPECIFIED
-        return finish_reason_to_proto(reason)
 
 
 PREFILL_KIND = NodeKind(

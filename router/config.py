@@ -10,9 +10,9 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from bench.slo import SLOConfig, parse_slo
 from common.config import env_overrides
 from router.balancer import DECODE_POLICIES, PREFILL_POLICIES
-from router.slo import SLOConfig, parse_slo
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class RouterConfig:
     model: str = "tiny-llama"
     served_model_name: str | None = None
     tokenizer: str | None = None  # default: the model's directory
+    # A cap on the nodes' context (a node with a shorter one is refused); default: the nodes'.
     max_model_len: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000  # HTTP; 0 picks a free port
@@ -33,15 +34,18 @@ class RouterConfig:
     poll_interval_s: float = 2.0
     prefill_policy: str = "cache_aware"
     decode_policy: str = "least_load"
-    block_size: int = 16
+    # Deprecated: the nodes report their block size. Set, it is checked against them.
+    block_size: int | None = None
     max_retries: int = 3
     prefill_timeout_s: float = 300.0
     decode_stall_timeout_s: float = 300.0
+    prefill_fallback: bool = True  # no prefill path: a decode node runs the request whole
     max_inflight: int = 1024
     max_n: int = 8
     max_logprobs: int = 20
     max_body_bytes: int = 4 * 2**20
     max_header_bytes: int = 16 * 2**10
+    max_json_depth: int = 64  # JSON bodies nested deeper are refused before parsing
     # Idle HTTP keep-alive connections are closed after this long. It must outlast the idle
     # expiry of clients' connection pools (httpx and so the openai client: 5 s), or a client
     # reusing a connection just as the server closes it gets "connection reset" for a request
@@ -70,9 +74,12 @@ class RouterConfig:
             raise ValueError("--tls-client-ca needs --tls-cert/--tls-key")
         if (self.node_tls_cert or self.node_tls_key) and not self.node_tls_ca:
             raise ValueError("--node-tls-cert/--node-tls-key need --node-tls-ca")
-        positive = ("max_inflight", "max_n", "max_body_bytes", "max_header_bytes", "block_size")
+        positive = ("max_inflight", "max_n", "max_body_bytes", "max_header_bytes", "max_json_depth")
         for name in positive:
             if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("block_size", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.http_keep_alive_s <= 0:
             raise ValueError("http_keep_alive_s must be > 0")
@@ -86,6 +93,13 @@ class RouterConfig:
         values["prefill"] = _addresses(args.prefill)
         values["decode"] = _addresses(args.decode)
         values["slo"] = parse_slo(args.slo or "")
+        if isinstance(values.get("prefill_fallback"), str):  # PDSERVE_PREFILL_FALLBACK=0
+            values["prefill_fallback"] = values["prefill_fallback"].lower() in (
+                "1",
+                "true",
+                "yes",
+                "on",
+            )
         return cls(**values)
 
 
@@ -100,7 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=d.model, help="built-in name or HF model directory")
     a("--served-model-name", default=None, help="name in /v1/models (default: --model)")
     a("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    a("--max-model-len", type=int, default=None, help="context cap (default: the model's)")
+    a("--max-model-len", type=int, default=None,
+      help="cap on the context (default: the nodes'); a node with less is refused")  # fmt: skip
     a("--host", default=d.host, help="bind address for HTTP and gRPC (default 127.0.0.1)")
     a("--port", type=int, default=d.port, help="HTTP port (0: any free port)")
     a("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0: any free port)")
@@ -113,16 +128,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="how often static instances are polled (s)")  # fmt: skip
     a("--prefill-policy", choices=sorted(PREFILL_POLICIES), default=d.prefill_policy)
     a("--decode-policy", choices=sorted(DECODE_POLICIES), default=d.decode_policy)
-    a("--block-size", type=int, default=d.block_size, help="block size of affinity hashes")
+    a("--block-size", type=int, default=None,
+      help="deprecated: nodes report their block size; set, a node with another is refused")  # fmt: skip
     a("--max-retries", type=int, default=d.max_retries, help="retries per prefill / decode")
     a("--prefill-timeout", dest="prefill_timeout_s", type=float, default=d.prefill_timeout_s)
     a("--decode-stall-timeout", dest="decode_stall_timeout_s", type=float,
       default=d.decode_stall_timeout_s, help="resume elsewhere after this long without output")  # fmt: skip
+    a("--prefill-fallback", action=argparse.BooleanOptionalAction, default=d.prefill_fallback,
+      help="when no prefill instance can serve, a decode node prefills locally (default on)")  # fmt: skip
     a("--max-inflight", type=int, default=d.max_inflight, help="over it: 429")
     a("--max-n", type=int, default=d.max_n)
     a("--max-logprobs", type=int, default=d.max_logprobs)
     a("--max-body-bytes", type=int, default=d.max_body_bytes)
     a("--max-header-bytes", type=int, default=d.max_header_bytes)
+    a("--max-json-depth", type=int, default=d.max_json_depth,
+      help="deepest JSON nesting accepted in a request body (deeper: 400)")  # fmt: skip
     a("--http-keep-alive", dest="http_keep_alive_s", type=float, default=d.http_keep_alive_s,
       help="seconds an idle HTTP connection stays open (above clients' pool expiry)")  # fmt: skip
     a("--api-key", default=None, help="require Bearer KEY (or set PDSERVE_API_KEY)")

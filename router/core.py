@@ -1,9 +1,10 @@
 """What both front doors share: the served model, request preparation, admission, measuring.
 
 ``RouterCore.prepare`` turns a prompt (text, token ids or rendered chat) and engine
-SamplingParams into a ``GenerateSpec``: token ids checked against the vocabulary, ``max_tokens``
-resolved against the context, and a seed always set (random when the client gave none) so a
-decode resumed on another instance continues identically. ``RouterCore.run`` admits the request
+SamplingParams into a ``GenerateSpec``: token ids checked against the vocabulary, floats rounded
+as the wire rounds them, ``max_tokens`` resolved against the nodes' context (their
+``max_model_len``, from the registry), and a seed always set (random when the client gave none)
+so a decode resumed on another instance continues identically. ``RouterCore.run`` admits the request
 (``max_inflight``, else 429), runs the flow and meters it.
 """
 
@@ -15,11 +16,13 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from pdserve_proto.convert import wire_rounded
+
 from common.sampling_params import SamplingParams
-from router.errors import RouterError, invalid_request, overloaded
+from router.errors import RouterError, invalid_request, no_instance, overloaded
 from router.flow import GenerateSpec, RequestFlow, Usage
 from router.metrics import RouterMetrics
-from router.openai_models import Limits
+from router.openai_models import Limits, param_of
 from router.prompts import PromptProcessor
 from router.sample import SampleDelta
 
@@ -69,6 +72,14 @@ class RouterCore:
                 code="model_not_found",
             )
 
+    def max_model_len(self) -> int:
+        """The context requests must fit: the nodes' (``Registry.max_model_len``). 503 while
+        no node has registered: until one says, the router cannot know it."""
+        limit = self.flow.registry.max_model_len()
+        if limit is None:
+            raise no_instance("no node has registered yet, so the context length is unknown")
+        return limit
+
     def prepare(
         self,
         prompt_token_ids: list[int],
@@ -77,13 +88,26 @@ class RouterCore:
         priority: int = 0,
         request_id: str | None = None,
     ) -> GenerateSpec:
-        """A runnable spec; raises RouterError (400) when the prompt cannot be served.
+        """A runnable spec; raises RouterError (400) when the prompt cannot be served, 503
+        while no node has registered.
 
-        ``params.max_tokens`` None means "up to the context"; ``params`` is not modified.
+        ``params.max_tokens`` None means "up to the context"; ``params`` is not modified. The
+        spec's float parameters are rounded as the wire rounds them (``wire_rounded``).
         """
         self.prompts.check_token_ids(prompt_token_ids)
         self.prompts.check_token_ids(params.stop_token_ids, param="stop_token_ids")
-        max_tokens = self.prompts.resolve_max_tokens(len(prompt_token_ids), params.max_tokens)
+        cap = self.limits.max_logprobs
+        if params.logprobs is not None and params.logprobs > cap:  # gRPC's are checked here
+            raise invalid_request(
+                f"logprobs must be in [0, {cap}], got {params.logprobs}", "logprobs"
+            )
+        try:
+            params = wire_rounded(params)  # hold exactly what the nodes will run
+        except ValueError as exc:  # "temperature must be a finite number, got nan"
+            raise invalid_request(str(exc), param=param_of(str(exc))) from None
+        max_tokens = self.prompts.resolve_max_tokens(
+            len(prompt_token_ids), params.max_tokens, self.max_model_len()
+        )
         if params.min_tokens > max_tokens:
             raise invalid_request(
                 f"min_tokens={params.min_tokens} exceeds max_tokens", "min_tokens"

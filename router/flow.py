@@ -10,6 +10,11 @@ NOTE on faults. Failures are classified by gRPC status code (``_classify``):
   the client gets 429 / RESOURCE_EXHAUSTED;
 - anything else (INVALID_ARGUMENT, …) is the request's fault and goes back to the client.
 
+A prefill that fails before its first token cannot have sent anything, so retrying it elsewhere
+duplicates nothing. When no prefill path is left (no healthy instance, or every attempt failed)
+the sample falls back to a decode-only run (``FlowConfig.prefill_fallback``): a Decode with no
+handle and no tokens, which the decode node prefills itself; every instance busy stays a 429.
+
 A decode is resumed with ``DecodeRequest.output_token_ids`` = every token the client has been
 sent (``SampleState.token_ids``); the request's fixed seed makes the new node sample exactly
 what the old one would have. Cancelling the flow (client gone) cancels the node calls and sends
@@ -24,20 +29,23 @@ computes the shared prompt once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import secrets
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import finish_reason_from_proto, prompt_logprobs_from_proto
 
 from common.block_hash import hash_blocks
 from common.sampling_params import SamplingParams
 from router.balancer import DecodePolicy, PrefillPolicy, PromptInfo
 from router.errors import RouterError, invalid_request, no_instance, overloaded, upstream_failure
+from router.merge import merged
 from router.node_clients import NodeClients
 from router.registry import Instance, Registry, Role
 from router.sample import SampleDelta, SampleState, sample_seed, to_proto_sampling
@@ -49,21 +57,23 @@ _ABORT_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class FlowConfig:
-    """Retry budget and timeouts. ``block_size`` only shapes prefix-affinity hashes.
+    """Retry budget and timeouts.
 
     ``decode_stall_timeout_s`` bounds the wait for a decode stream's next item: a node that
     stops answering without closing its connection is treated as dead (the request resumes
-    elsewhere).
+    elsewhere). ``prefill_fallback``: when no prefill instance can give a sample its first
+    token (none healthy, or every attempt failed before one), a decode node runs the whole
+    request (it prefills locally, slower, same tokens) instead of the client getting an error.
     """
 
-    block_size: int = 16
     max_retries: int = 3
     prefill_timeout_s: float = 300.0
     decode_stall_timeout_s: float = 300.0
+    prefill_fallback: bool = True  # no prefill path: a decode node prefills locally
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_retries < 0:
-            raise ValueError("block_size must be >= 1 and max_retries >= 0")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
         if self.prefill_timeout_s <= 0 or self.decode_stall_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
 
@@ -80,6 +90,7 @@ class GenerateSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    prefill_only: bool = False  # max_tokens=0: the prompt's logprobs, no output token
     nonce: str = field(default_factory=lambda: secrets.token_hex(4))
 
     def upstream_id(self, index: int, step: str) -> str:
@@ -116,10 +127,22 @@ class _NodeGaveUp(Exception):
     """A node ended a request it should have finished (ABORT/ERROR, or a truncated stream)."""
 
 
+class _NoPrefillPath(Exception):
+    """No prefill instance gave the sample its first token. ``reason``: ``"no_prefill"`` (none
+    was healthy) or ``"prefill_failed"`` (every attempt failed first); ``error`` is what the
+    client gets when the request cannot fall back to a decode node."""
+
+    def __init__(self, reason: str, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.reason = reason
+        self.error = error
+
+
 class RequestFlow:
     """Runs requests across the pools. Shared by the HTTP and gRPC front doors.
 
-    Owns nothing it is given; keeps only the set of background Abort tasks.
+    Owns nothing it is given; keeps only the set of background Abort tasks. ``on_fallback``
+    is told each time a sample falls back to a decode-only run (the metrics count it).
     """
 
     def __init__(
@@ -130,6 +153,7 @@ class RequestFlow:
         prefill_policy: PrefillPolicy,
         decode_policy: DecodePolicy,
         config: FlowConfig,
+        on_fallback: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.registry = registry
         self.clients = clients
@@ -137,11 +161,15 @@ class RequestFlow:
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.config = config
+        self.on_fallback = on_fallback  # called with the reason of each prefill fallback
         self._aborts: set[asyncio.Task[None]] = set()
 
     def prompt_info(self, token_ids: list[int]) -> PromptInfo:
-        size = self.config.block_size
-        return PromptInfo(len(token_ids), hash_blocks(token_ids, size), size)
+        """The prompt's length and its block hashes in the pool's block size (none while the
+        router knows no node: there is nothing to be affine to)."""
+        size = self.registry.block_size()
+        hashes = hash_blocks(token_ids, size) if size else []
+        return PromptInfo(len(token_ids), hashes, size or 0)
 
     async def generate(self, spec: GenerateSpec, usage: Usage) -> AsyncGenerator[SampleDelta, None]:
         """Every sample's deltas, interleaved; ``usage`` is filled in as the request runs.
@@ -150,44 +178,11 @@ class RequestFlow:
         """
         usage.prompt_tokens = len(spec.prompt_token_ids)
         prompt = self.prompt_info(spec.prompt_token_ids)
-        if spec.params.n == 1:
-            deltas = self._sample(spec, 0, prompt, usage)
-        else:
-            deltas = self._fan_out(spec, prompt, usage)
+        samples = [self._sample(spec, i, prompt, usage) for i in range(spec.params.n)]
         # aclosing: closing this generator must close the inner ones at once (cancel upstream)
-        async with aclosing(deltas):
+        async with aclosing(merged(samples)) as deltas:
             async for delta in deltas:
                 yield delta
-
-    async def _fan_out(
-        self, spec: GenerateSpec, prompt: PromptInfo, usage: Usage
-    ) -> AsyncGenerator[SampleDelta, None]:
-        queue: asyncio.Queue[SampleDelta | BaseException | None] = asyncio.Queue()
-
-        async def pump(index: int) -> None:
-            try:
-                async with aclosing(self._sample(spec, index, prompt, usage)) as deltas:
-                    async for delta in deltas:
-                        queue.put_nowait(delta)
-                queue.put_nowait(None)
-            except Exception as exc:  # handed to the consumer, which raises it
-                queue.put_nowait(exc)
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(spec.params.n)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    remaining -= 1
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _sample(
         self, spec: GenerateSpec, index: int, prompt: PromptInfo, usage: Usage
@@ -195,23 +190,57 @@ class RequestFlow:
         assert spec.params.seed is not None, "the router always sets a seed"
         sampling = to_proto_sampling(spec.params, sample_seed(spec.params.seed, index))
         state = SampleState(index, self.tokenizer, spec.prompt_token_ids, spec.params)
-        response = await self._prefill(spec, index, sampling, prompt, usage)
+        response = await self._prefill_or_fallback(spec, index, sampling, prompt, usage)
+        if response is None:  # the decode node prefills: it streams the first token too
+            async with aclosing(self._decode(spec, index, sampling, None, state, usage)) as rest:
+                async for delta in rest:
+                    yield delta
+            return
         if index == 0:
             usage.cached_tokens = response.num_cached_tokens
+        prompt_logprobs = prompt_logprobs_from_proto(response)
+        if spec.prefill_only:  # max_tokens=0: the prompt is scored, its sampled token dropped
+            yield SampleDelta(index, [], "", [], "length", None, prompt_logprobs)
+            return
         stop_id = response.stop_token_id if response.HasField("stop_token_id") else None
         logprobs = [response.first_logprob] if response.HasField("first_logprob") else []
-        delta = state.push([response.first_token_id], logprobs, response.finish_reason, stop_id)
+        finish = finish_reason_from_proto(response.finish_reason)  # None when handed off
+        delta = state.push([response.first_token_id], logprobs, finish, stop_id)
+        if prompt_logprobs is not None:
+            delta = dataclasses.replace(delta, prompt_logprobs=prompt_logprobs)
         usage.completion_tokens += len(delta.token_ids)
         yield delta
         if state.finished:
             return
-        decode = self._decode(spec, index, sampling, response.kv_handle, state, usage)
-        async with aclosing(decode):
-            async for delta in decode:
-                usage.completion_tokens += len(delta.token_ids)
+        # No handle (the prefill node had none to give): the decode node recomputes the prompt.
+        handle = response.kv_handle if response.HasField("kv_handle") else None
+        async with aclosing(self._decode(spec, index, sampling, handle, state, usage)) as rest:
+            async for delta in rest:
                 yield delta
 
     # -- prefill -----------------------------------------------------------------------------
+    async def _prefill_or_fallback(
+        self,
+        spec: GenerateSpec,
+        index: int,
+        sampling: pb.SamplingParams,
+        prompt: PromptInfo,
+        usage: Usage,
+    ) -> pb.PrefillResponse | None:
+        """The prefill's reply, or None when the sample falls back to a decode-only run (no
+        prefill path, fallback on, a decode instance available). Raises RouterError."""
+        try:
+            return await self._prefill(spec, index, sampling, prompt, usage)
+        except _NoPrefillPath as exc:
+            # prompt logprobs come from a prefill node only
+            scoring = spec.prefill_only or spec.params.prompt_logprobs is not None
+            fallback = self.config.prefill_fallback and not scoring
+            if not fallback or not self.registry.candidates(Role.DECODE):
+                raise exc.error from None
+            logger.info("%s sample %d: %s; a decode node prefills", spec.request_id, index, exc)
+            self.on_fallback(exc.reason)
+            return None
+
     async def _prefill(
         self,
         spec: GenerateSpec,
@@ -220,7 +249,9 @@ class RequestFlow:
         prompt: PromptInfo,
         usage: Usage,
     ) -> pb.PrefillResponse:
-        """Prefill on the best instance, retrying elsewhere on transport faults or busy."""
+        """Prefill on the best instance, retrying elsewhere on transport faults or busy.
+
+        Raises RouterError (the request's fault; every instance busy) or _NoPrefillPath."""
         tried: set[str] = set()
         last_fault: _Fault | None = None
         for attempt in range(self.config.max_retries + 1):
@@ -247,7 +278,10 @@ class RequestFlow:
                 usage.retries += 1
                 continue
             return response
-        raise self._exhausted("prefill", last_fault, tried)
+        error = self._exhausted("prefill", last_fault, tried)
+        if last_fault is _Fault.BUSY:
+            raise error
+        raise _NoPrefillPath("prefill_failed" if tried else "no_prefill", error)
 
     async def _call_prefill(
         self, instance: Instance, request: pb.PrefillRequest, num_tokens: int
@@ -260,8 +294,15 @@ class RequestFlow:
                 if isinstance(exc, asyncio.CancelledError) or _timed_out(exc):
                     self._abort_later(instance, request.request_id, Role.PREFILL)
                 raise
-        if response.finish_reason in (pb.FINISH_REASON_ABORT, pb.FINISH_REASON_ERROR):
+        reason = response.finish_reason
+        if reason in (pb.FINISH_REASON_ABORT, pb.FINISH_REASON_ERROR):
             raise _NodeGaveUp(response.error_message or "aborted")
+        if reason not in (
+            pb.FINISH_REASON_HANDED_OFF,
+            pb.FINISH_REASON_STOP,
+            pb.FINISH_REASON_LENGTH,
+        ):
+            raise _NodeGaveUp(f"prefill ended with {pb.FinishReason.Name(reason)}")
         return response
 
     # -- decode ------------------------------------------------------------------------------
@@ -270,16 +311,17 @@ class RequestFlow:
         spec: GenerateSpec,
         index: int,
         sampling: pb.SamplingParams,
-        kv_handle: pb.KVHandle,
+        kv_handle: pb.KVHandle | None,
         state: SampleState,
         usage: Usage,
     ) -> AsyncGenerator[SampleDelta, None]:
-        """Stream from a decode instance; when it fails, resume on another from the tokens
-        already sent. Ends when the sample finishes; raises RouterError when out of options."""
+        """Stream from a decode instance (tokens counted in ``usage``); when it fails, resume on
+        another from the tokens already sent (none yet, and no handle: a prefill fallback, the node runs it all).
+        Ends when the sample finishes; raises RouterError when out of options."""
         tried: set[str] = set()
         failures = 0
         last_fault: _Fault | None = None
-        prompt = PromptInfo(len(spec.prompt_token_ids), (), self.config.block_size)
+        prompt = PromptInfo(len(spec.prompt_token_ids), (), 0)  # decode has no affinity
         while failures <= self.config.max_retries:
             candidates = self.registry.candidates(Role.DECODE, frozenset(tried))
             if not candidates:
@@ -297,6 +339,7 @@ class RequestFlow:
             try:
                 async with aclosing(self._stream_decode(instance, request, state)) as deltas:
                     async for delta in deltas:
+                        usage.completion_tokens += len(delta.token_ids)
                         yield delta
                 if state.finished:
                     return
@@ -325,9 +368,10 @@ class RequestFlow:
         with self.registry.track(instance):
             try:
                 while (item := await self._next_item(call)) is not None:
-                    node_done = item.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                    finish = finish_reason_from_proto(item.finish_reason)
+                    node_done = finish is not None
                     stop_id = item.stop_token_id if item.HasField("stop_token_id") else None
-                    delta = state.push(item.token_ids, item.logprobs, item.finish_reason, stop_id)
+                    delta = state.push(item.token_ids, item.logprobs, finish, stop_id)
                     if delta.token_ids or delta.text or delta.finish_reason:
                         yield delta
                     if state.finished:
@@ -343,10 +387,15 @@ class RequestFlow:
     async def _next_item(
         self, call: grpc.aio.UnaryStreamCall[pb.DecodeRequest, pb.DecodeResponse]
     ) -> pb.DecodeResponse | None:
-        """The stream's next item; None at its end. Raises _NodeGaveUp when it stalls."""
+        """The stream's next item; None at its end. Raises _NodeGaveUp when it stalls.
+
+        ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` swallows a
+        cancellation that lands as the item arrives, and the flow of a client that left
+        would run on to ``max_tokens`` (seen with tens of requests abandoned at once)."""
         try:
-            item = await asyncio.wait_for(call.read(), self.config.decode_stall_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.config.decode_stall_timeout_s):
+                item = await call.read()
+        except TimeoutError:
             raise _NodeGaveUp(f"no output for {self.config.decode_stall_timeout_s:g} s") from None
         return None if item is grpc.aio.EOF else item
 

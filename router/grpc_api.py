@@ -1,6 +1,12 @@
 """``RouterService`` over gRPC: the node registry (Register/Heartbeat/Deregister) and the
 client front door (``Generate``, server-streaming).
 
+``Register`` takes the node's ``NodeInfo`` (model, KV fingerprint, block size, max_model_len)
+and its load; a node the pool cannot take (another model or fingerprint, a layout the router's
+flags rule out) gets FAILED_PRECONDITION with both values named and is not added, and a request
+without info INVALID_ARGUMENT. ``Heartbeat`` refreshes the node's load: the one channel through
+which the registry's loads (balancing and autoscaling) arrive.
+
 ``Generate`` takes text (tokenized here, no chat template) or token ids, streams
 ``GenerateResponse`` items (new token ids, their text delta, logprobs), the last one with
 ``finish_reason``, the stop reason and ``usage``. Errors before the first item abort the call
@@ -19,18 +25,23 @@ from contextlib import aclosing
 import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto.convert import (
+    finish_reason_to_proto,
+    generate_params_from_proto,
+    load_from_proto,
+    logprob_to_proto,
+    node_info_from_proto,
+    role_from_proto,
+)
 
-from common.sampling_params import SamplingParams
 from router.core import RouterCore
 from router.errors import RouterError, invalid_request
 from router.flow import GenerateSpec, Usage
-from router.registry import Load, RegistrationRefused, Registry, Role
+from router.registry import RegistrationRefused, Registry
 from router.sample import SampleDelta
 from router.security import bearer_ok
 
 logger = logging.getLogger(__name__)
-
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 
 
 class RouterServicer(pb_grpc.RouterServiceServicer):
@@ -46,21 +57,22 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
         try:
-            role = Role.from_proto(request.role)
-            load = Load.from_proto(request.load) if request.HasField("load") else None
-            self.registry.register(
-                request.instance_id, role, request.address, request.model,
-                request.fingerprint, load,
-            )  # fmt: skip
-        except (RegistrationRefused, ValueError) as exc:
+            role = role_from_proto(request.role)
+            info = node_info_from_proto(request.info)
+            load = load_from_proto(request.load) if request.HasField("load") else None
+            self.registry.register(request.instance_id, role, request.address, info, load)
+        except RegistrationRefused as exc:
+            logger.warning("refused %s at %s: %s", request.instance_id, request.address, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         logger.info("registered %s %s at %s", request.instance_id, role.value, request.address)
         return pb.RegisterResponse(heartbeat_interval_s=self.registry.heartbeat_interval_s)
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
-        load = Load.from_proto(request.load) if request.HasField("load") else None
+        load = load_from_proto(request.load) if request.HasField("load") else None
         return pb.HeartbeatResponse(known=self.registry.heartbeat(request.instance_id, load))
 
     async def Deregister(
@@ -117,7 +129,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             text = prompts.decode(prompt_ids) if request.echo else ""
         else:
             raise invalid_request("prompt is missing: set text or token_ids", "prompt")
-        params = to_sampling_params(request)
+        try:
+            params = generate_params_from_proto(request)
+        except ValueError as exc:
+            raise invalid_request(str(exc)) from None
         return (
             self.core.prepare(
                 prompt_ids,
@@ -129,45 +144,11 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         )
 
 
-def to_sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    """Engine SamplingParams from a GenerateRequest (proto defaults for absent fields)."""
-    p = request.sampling_params
-    try:
-        return SamplingParams(
-            temperature=p.temperature if p.HasField("temperature") else 1.0,
-            top_p=p.top_p if p.HasField("top_p") else 1.0,
-            top_k=p.top_k if p.top_k > 0 else -1,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            seed=p.seed if p.HasField("seed") else None,
-            max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
-            min_tokens=p.min_tokens,
-            stop=list(request.stop),
-            stop_token_ids=list(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-            skip_special_tokens=(
-                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            ),
-            include_stop_str_in_output=request.include_stop_str_in_output,
-        )
-    except ValueError as exc:
-        raise invalid_request(str(exc)) from None
-
-
 def _response(request_id: str, delta: SampleDelta, usage: Usage) -> pb.GenerateResponse:
     item = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
-    for lp in delta.logprobs:
-        item.logprobs.add(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top_token_ids=lp.top_ids,
-            top_logprobs=lp.top_logprobs,
-        )
+    item.logprobs.extend(logprob_to_proto(lp) for lp in delta.logprobs)
     if delta.finish_reason is not None:
-        item.finish_reason = _FINISH[delta.finish_reason]
+        item.finish_reason = finish_reason_to_proto(delta.finish_reason)
         if isinstance(delta.stop_reason, str):
             item.stop_string = delta.stop_reason
         elif isinstance(delta.stop_reason, int):

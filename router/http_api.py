@@ -1,7 +1,13 @@
 """The OpenAI-compatible HTTP front door (FastAPI), sharing the event loop with gRPC.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not),
-``GET /v1/models``, ``GET /health`` (no API key), ``GET /metrics`` (Prometheus text),
+Routes: ``POST /v1/completions`` (one prompt or a batch: choice ``i*n + j`` is sample ``j`` of
+prompt ``i``, as in OpenAI and vLLM), ``POST /v1/chat/completions`` (streaming or not),
+``GET /v1/models`` and ``GET /v1/models/{id}`` (``max_model_len``: the registered nodes', null
+until one has registered), vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
+``GET /openapi.json``,
+``GET /health`` (liveness: always 200) and ``GET /ready`` (readiness: 503 until a prefill path
+and a decode instance can serve; see :func:`readiness`), both without API key,
+``GET /metrics`` (Prometheus text),
 ``GET /slo`` (live SLO report; ``?format=markdown`` for a table). ``n`` up to ``--max-n`` runs
 n independent prefill+decode pipelines with the engine's child seeds (see ``router.flow``).
 
@@ -16,6 +22,8 @@ streamed, by :func:`_until_disconnect`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine
@@ -27,37 +35,54 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from router.core import RouterCore
 from router.errors import RouterError, error_body, invalid_request, too_large
-from router.flow import GenerateSpec, Usage
+from router.flow import FlowConfig, GenerateSpec, Usage
+from router.merge import merged
 from router.openai_format import (
     DONE,
     ChatFormatter,
     ChoiceResult,
     CompletionFormatter,
+    EchoPrompt,
     sse,
 )
 from router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     parse_body,
+    parse_model,
     requested_max_tokens,
     to_sampling_params,
 )
 from router.registry import Registry, Role
 from router.sample import SampleDelta
-from router.security import GuardMiddleware, HttpGuard
+from router.security import GuardMiddleware, HttpGuard, drain, json_too_deep
 
 _DISCONNECT_POLL_S = 0.5
+_CANCEL_RETRY_S = 0.1
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, logs do
 
 T = TypeVar("T")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "0+unknown"
+
+
+VERSION = _version()
+
+
 def create_app(core: RouterCore, registry: Registry, guard: HttpGuard) -> FastAPI:
     """The HTTP application; ``guard`` runs before routing (limits, API key)."""
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, version=VERSION)
     _add_error_handlers(app, core)
 
     @app.post("/v1/completions")
@@ -70,24 +95,59 @@ def create_app(core: RouterCore, registry: Registry, guard: HttpGuard) -> FastAP
         body = parse_body(await read_body(request, guard), ChatCompletionRequest, core.limits)
         return await _serve_chat(core, request, body)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": core.served.name,
             "object": "model",
             "created": core.served.created,
             "owned_by": "pdserve",
-            "max_model_len": core.prompts.max_model_len,
+            "max_model_len": registry.max_model_len(),  # the nodes'; null before one registers
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        core.check_model(model_id or "\0")  # an empty id names no model here
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_model(await read_body(request, guard), TokenizeRequest)
+        core.check_model(body.model)
+        ids = _tokenize(core, body)
+        strs = [core.prompts.tokenizer.convert_ids_to_tokens(i) for i in ids]
+        return {
+            "count": len(ids),
+            "max_model_len": registry.max_model_len(),
+            "tokens": ids,
+            "token_strs": strs if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_model(await read_body(request, guard), DetokenizeRequest)
+        core.check_model(body.model)
+        core.prompts.check_token_ids(body.tokens, param="tokens")
+        return {"prompt": core.prompts.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        counts = {
-            role.value: len(registry.candidates(role)) for role in (Role.PREFILL, Role.DECODE)
-        }
-        ready = all(counts.values())
-        return JSONResponse({"status": "ok", "ready": ready, "instances": counts})
+        """Liveness: the router answers. Always 200 (with the readiness fields for humans)."""
+        return JSONResponse({"status": "ok", **readiness(registry, core.flow.config)})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 when a request can be served now, else 503; same body either way."""
+        body = readiness(registry, core.flow.config)
+        body["status"] = "ready" if body["ready"] else "not_ready"
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -104,16 +164,42 @@ def create_app(core: RouterCore, registry: Registry, guard: HttpGuard) -> FastAP
     return app
 
 
+def readiness(registry: Registry, flow: FlowConfig) -> dict[str, Any]:
+    """``ready``: a decode instance and a prefill path (a prefill instance, or any decode
+    instance while ``--prefill-fallback`` is on) are healthy now; ``instances``: healthy ones
+    per pool; ``prefill_fallback``: the flag. Instances are registered (or static and
+    answering), of the served model and layout, not draining, not suspect after a failure."""
+    counts = {role.value: len(registry.candidates(role)) for role in (Role.PREFILL, Role.DECODE)}
+    decode = counts[Role.DECODE.value] > 0
+    prefill_path = counts[Role.PREFILL.value] > 0 or (flow.prefill_fallback and decode)
+    return {
+        "ready": decode and prefill_path,
+        "instances": counts,
+        "prefill_fallback": flow.prefill_fallback,
+    }
+
+
 async def read_body(request: Request, guard: HttpGuard) -> bytes:
-    """The whole body, refusing (413) past ``guard.max_body_bytes`` even without a length."""
+    """The whole body, refusing (413) past ``guard.max_body_bytes`` even without a length
+    (the rest is drained first, so the client reads the 413), and JSON nested deeper than
+    ``guard.max_json_depth`` (400, before any parser recurses into it)."""
     chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
+    size, more = 0, True
+    while more:  # ASGI messages, not request.stream(): draining needs to know if more comes
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > guard.max_body_bytes:
+            if more:
+                await drain(request.receive)
             raise too_large(f"request body exceeds {guard.max_body_bytes} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    if json_too_deep(body, guard.max_json_depth):
+        raise invalid_request(f"the JSON body nests deeper than {guard.max_json_depth} levels")
+    return body
 
 
 # ----------------------------------------------------------------------------- endpoints
@@ -123,73 +209,99 @@ async def _serve_completion(
     core: RouterCore, request: Request, body: CompletionRequest
 ) -> Response:
     core.check_model(body.model)
-    if isinstance(body.prompt, str):
-        prompt_ids, prompt_text = core.prompts.encode_text(body.prompt), body.prompt
-    else:
-        prompt_ids, prompt_text = list(body.prompt), None
-    if body.echo and body.logprobs is not None:
-        raise invalid_request("echo together with logprobs is not supported", "echo")
-    spec = _prepare(core, body, prompt_ids)
-    echo_text = None
+    prompts = body.prompts()
+    prompt_ids = [core.prompts.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    specs = [_prepare(core, body, ids, request_id) for ids in prompt_ids]
+    echo = None
     if body.echo:
-        echo_text = prompt_text if prompt_text is not None else core.prompts.decode(prompt_ids)
+        echo = [
+            EchoPrompt(p if isinstance(p, str) else core.prompts.decode(ids), ids)
+            for p, ids in zip(prompts, prompt_ids)
+        ]
     formatter = CompletionFormatter(
-        spec.request_id,
+        request_id,
         core.served.name,
         _now(),
         core.prompts,
         logprobs=body.logprobs is not None,
         include_usage=body.include_usage,
-        echo_text=echo_text,
+        continuous_usage=body.continuous_usage,
+        prompt_logprobs=body.prompt_logprobs is not None,
+        echo=echo,
+        n=body.n,
     )
-    return await _respond(core, request, spec, formatter, body.stream, "completions")
+    return await _respond(core, request, specs, formatter, body.stream, "completions")
 
 
 async def _serve_chat(core: RouterCore, request: Request, body: ChatCompletionRequest) -> Response:
     core.check_model(body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    rendered = core.prompts.render_chat(messages, body.add_generation_prompt)
-    spec = _prepare(core, body, core.prompts.encode_chat(rendered), prefix="chatcmpl")
+    rendered = core.prompts.render_chat(
+        messages, body.add_generation_prompt, body.chat_template_kwargs
+    )
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    spec = _prepare(core, body, core.prompts.encode_chat(rendered), request_id)
     formatter = ChatFormatter(
-        spec.request_id,
+        request_id,
         core.served.name,
         _now(),
         core.prompts,
         logprobs=body.logprobs,
         include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
-    return await _respond(core, request, spec, formatter, body.stream, "chat")
+    return await _respond(core, request, [spec], formatter, body.stream, "chat")
 
 
 def _prepare(
     core: RouterCore,
     body: CompletionRequest | ChatCompletionRequest,
     prompt_ids: list[int],
-    prefix: str = "cmpl",
+    request_id: str,
 ) -> GenerateSpec:
-    return core.prepare(
-        prompt_ids,
-        to_sampling_params(body, requested_max_tokens(body)),
-        priority=body.priority,
-        request_id=f"{prefix}-{uuid.uuid4().hex}",
-    )
+    """One prompt's spec. ``max_tokens=0`` (completions with echo) runs the prefill only, for
+    the prompt's logprobs: the node samples one token, which is dropped."""
+    max_tokens = requested_max_tokens(body)
+    prefill_only = max_tokens == 0
+    params = to_sampling_params(body, 1 if prefill_only else max_tokens)
+    spec = core.prepare(prompt_ids, params, priority=body.priority, request_id=request_id)
+    return dataclasses.replace(spec, prefill_only=prefill_only) if prefill_only else spec
+
+
+def _tokenize(core: RouterCore, body: TokenizeRequest) -> list[int]:
+    """vLLM's /tokenize: a prompt (special tokens added by default) or chat messages
+    (rendered with the template; no special tokens added by default)."""
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        rendered = core.prompts.render_chat(
+            messages, body.add_generation_prompt, body.chat_template_kwargs
+        )
+        add_special = bool(body.add_special_tokens)
+        return core.prompts.encode_text(rendered, add_special_tokens=add_special)
+    assert body.prompt is not None  # TokenizeRequest checks one of the two is given
+    add_special = body.add_special_tokens is None or body.add_special_tokens
+    return core.prompts.encode_text(body.prompt, add_special_tokens=add_special)
 
 
 async def _respond(
     core: RouterCore,
     request: Request,
-    spec: GenerateSpec,
+    specs: list[GenerateSpec],
     formatter: CompletionFormatter | ChatFormatter,
     stream: bool,
     endpoint: str,
 ) -> Response:
-    usage = Usage()
-    deltas = core.run(spec, usage, endpoint)
+    """Run ``specs`` (one per prompt) and answer with one body or one SSE stream."""
+    usages = [Usage() for _ in specs]
+    deltas = _batch(core, specs, usages, endpoint)
+    n = specs[0].params.n
     if not stream:
-        choices = await _until_disconnect(request, _collect(deltas, spec.params.n))
+        choices = await _until_disconnect(request, _collect(deltas, n * len(specs)))
         if choices is None:
             return Response(status_code=_CLIENT_CLOSED)
-        return JSONResponse(formatter.response(choices, usage))
+        return JSONResponse(formatter.response(choices, total_usage(usages)))
 
     async def first_delta() -> SampleDelta:
         return await anext(deltas)  # raises RouterError before the status line is sent
@@ -197,7 +309,35 @@ async def _respond(
     first = await _until_disconnect(request, first_delta())
     if first is None:
         return Response(status_code=_CLIENT_CLOSED)
-    return _SSEResponse(_sse_body(first, deltas, formatter, usage), media_type="text/event-stream")
+    body = _sse_body(first, deltas, formatter, usages)
+    return _SSEResponse(body, media_type="text/event-stream")
+
+
+async def _batch(
+    core: RouterCore, specs: list[GenerateSpec], usages: list[Usage], endpoint: str
+) -> AsyncGenerator[SampleDelta, None]:
+    """Every prompt's deltas, interleaved as they come, sample ``j`` of prompt ``i`` renumbered
+    ``i*n + j``. Closing this aborts every prompt's run."""
+
+    async def renumbered(i: int) -> AsyncGenerator[SampleDelta, None]:
+        base = i * specs[i].params.n
+        async with aclosing(core.run(specs[i], usages[i], endpoint)) as deltas:
+            async for delta in deltas:
+                yield dataclasses.replace(delta, index=base + delta.index)
+
+    async with aclosing(merged([renumbered(i) for i in range(len(specs))])) as deltas:
+        async for delta in deltas:
+            yield delta
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """The batch's usage: every prompt's summed (cached tokens too)."""
+    total = Usage()
+    for usage in usages:
+        total.prompt_tokens += usage.prompt_tokens
+        total.completion_tokens += usage.completion_tokens
+        total.cached_tokens += usage.cached_tokens
+    return total
 
 
 async def _collect(deltas: AsyncGenerator[SampleDelta, None], n: int) -> list[ChoiceResult]:
@@ -212,19 +352,19 @@ async def _sse_body(
     first: SampleDelta,
     deltas: AsyncGenerator[SampleDelta, None],
     formatter: CompletionFormatter | ChatFormatter,
-    usage: Usage,
+    usages: list[Usage],
 ) -> AsyncGenerator[bytes, None]:
     async with aclosing(deltas):
         try:
-            yield sse(formatter.chunk(first))
+            yield sse(formatter.chunk(first, total_usage(usages)))
             async for delta in deltas:
-                yield sse(formatter.chunk(delta))
+                yield sse(formatter.chunk(delta, total_usage(usages)))
         except RouterError as exc:
             yield sse(exc.body())
             yield DONE
             return
     if formatter.include_usage:
-        yield sse(formatter.usage_chunk(usage))
+        yield sse(formatter.usage_chunk(total_usage(usages)))
     yield DONE
 
 
@@ -243,7 +383,11 @@ class _SSEResponse(StreamingResponse):
 
 async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """Await ``work``; None if the client disconnected first (``work`` is then cancelled,
-    which aborts the request upstream)."""
+    which aborts the request upstream).
+
+    Non-streaming responses get no disconnect notice from Starlette: this watcher polls
+    ``request.is_disconnected()`` and cancels. A cancellation can be lost in a race (code that
+    catches it as an item arrives), so it is repeated until the work has ended."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -253,9 +397,11 @@ async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T
             if await request.is_disconnected():
                 return None
     finally:
-        if not task.done():
+        while not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.wait({task}, timeout=_CANCEL_RETRY_S)
+        if not task.cancelled():
+            task.exception()  # retrieved: the client is gone, nobody else will read it
 
 
 def _now() -> int:

@@ -1,8 +1,10 @@
 """Background upkeep of the registry: expire silent instances, poll static ones.
 
-Static instances (``--prefill``/``--decode``) do not heartbeat, so the router asks them:
-``GetLoad`` for their load and the standard ``grpc.health.v1`` Check for their health. A failed
-poll marks the instance unhealthy (balancers skip it) until a later poll succeeds.
+Static instances (``--prefill``/``--decode``) do not register, so the router asks them: once
+``GetInfo`` for what they serve (the same checks as a registration: one that does not fit the
+pool stays out of it, and the reason is logged), then, every round, ``GetLoad`` for their load
+and the standard ``grpc.health.v1`` Check for their health. A failed poll marks the instance
+unhealthy (balancers skip it) until a later poll succeeds.
 """
 
 from __future__ import annotations
@@ -13,39 +15,49 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import load_from_proto, node_info_from_proto
+from pdserve_proto.nodes import NodeLoad
 
 from router.node_clients import NodeClients
-from router.registry import Instance, Load, Registry, Role
+from router.registry import Instance, Registry, Role
 
 logger = logging.getLogger(__name__)
 
 
-async def poll_instance(clients: NodeClients, instance: Instance, timeout_s: float) -> Load | None:
-    """The instance's load if it answers GetLoad and reports SERVING; None otherwise."""
+async def poll_instance(
+    registry: Registry, clients: NodeClients, instance: Instance, timeout_s: float
+) -> NodeLoad | None:
+    """The instance's load if it reports SERVING, fits the pool and answers GetLoad; None
+    otherwise."""
+    stub = (
+        clients.decode(instance.address)
+        if instance.role is Role.DECODE
+        else clients.prefill(instance.address)
+    )
     try:
         health = await clients.health(instance.address).Check(
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
         )
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             return None
-        if instance.role is Role.DECODE:
-            report = await clients.decode(instance.address).GetLoad(
-                pb.GetLoadRequest(), timeout=timeout_s
-            )
-        else:
-            report = await clients.prefill(instance.address).GetLoad(
-                pb.GetLoadRequest(), timeout=timeout_s
-            )
+        if instance.info is None:
+            info = node_info_from_proto(await stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s))
+            registry.describe_static(instance, info)
+        report = await stub.GetLoad(pb.GetLoadRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
         logger.debug("poll of %s failed: %s", instance.address, exc.code().name)
         return None
-    return Load.from_proto(report)
+    except ValueError as exc:  # a malformed NodeInfo, or one the pool refuses
+        if instance.healthy:
+            logger.error("static instance %s left out of the pool: %s", instance.address, exc)
+        return None
+    return load_from_proto(report)
 
 
 async def poll_static(registry: Registry, clients: NodeClients, timeout_s: float) -> None:
     """Poll every static instance once, concurrently, and record the results."""
     static = [i for i in registry.instances() if i.static]
-    loads = await asyncio.gather(*(poll_instance(clients, i, timeout_s) for i in static))
+    loads = await asyncio.gather(*(poll_instance(registry, clients, i, timeout_s) for i in static))
     for instance, load in zip(static, loads):
         if (load is None) != (not instance.healthy):
             logger.info(

@@ -14,11 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+from pdserve_proto.nodes import NodeLoad
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.slo import LiveSLOStats, RequestRecord
+from bench.slo import LiveSLOStats, RequestRecord
 
 _LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -45,11 +46,52 @@ class _InstanceCollector(Collector):
         yield family
 
 
+class _SpecDecodeCollector(Collector):
+    """Speculative decoding on the decode nodes, read from their heartbeat loads at scrape
+    time: each instance's counters (a restarted node starts again from 0, which Prometheus
+    reads as a counter reset), and the pool's acceptance rate and mean accepted length over
+    what the live instances have counted."""
+
+    def __init__(self, loads: Callable[[], list[tuple[str, NodeLoad]]]) -> None:
+        self._loads = loads
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        loads = self._loads()
+        families = {
+            "spec_num_drafts": "Verification runs with drafts (speculative decoding)",
+            "spec_num_draft_tokens": "Draft tokens proposed",
+            "spec_num_accepted_tokens": "Draft tokens accepted",
+        }
+        for field, doc in families.items():
+            name = "pdserve_decode_" + field.removeprefix("spec_num_")
+            family = CounterMetricFamily(name, doc, labels=["instance"])
+            for instance, load in loads:
+                family.add_metric([instance], getattr(load, field))
+            yield family
+        drafts = sum(load.spec_num_drafts for _, load in loads)
+        proposed = sum(load.spec_num_draft_tokens for _, load in loads)
+        accepted = sum(load.spec_num_accepted_tokens for _, load in loads)
+        rate = GaugeMetricFamily(
+            "pdserve_decode_spec_acceptance_rate", "Accepted / proposed draft tokens (pool)"
+        )
+        rate.add_metric([], accepted / proposed if proposed else 0.0)
+        yield rate
+        length = GaugeMetricFamily(
+            "pdserve_decode_spec_mean_accepted_length",
+            "Tokens emitted per verification run: 1 + accepted / drafts (pool)",
+        )
+        length.add_metric([], 1.0 + accepted / drafts if drafts else 0.0)
+        yield length
+
+
 class RouterMetrics:
     """Every metric the router exports, plus the live SLO window."""
 
     def __init__(
-        self, instance_counts: Callable[[], dict[tuple[str, str], int]], slo: LiveSLOStats
+        self,
+        instance_counts: Callable[[], dict[tuple[str, str], int]],
+        slo: LiveSLOStats,
+        decode_loads: Callable[[], list[tuple[str, NodeLoad]]] = list,
     ) -> None:
         self.registry = CollectorRegistry()
         self.slo = slo
@@ -84,7 +126,15 @@ class RouterMetrics:
         self.migrations = Counter(
             "pdserve_router_decode_migrations", "Decodes resumed on another instance", registry=r
         )
+        self.prefill_fallbacks = Counter(
+            "pdserve_router_prefill_fallbacks",
+            "Samples run whole on a decode node (reason: no_prefill = no healthy prefill"
+            " instance, prefill_failed = every prefill attempt failed before a first token)",
+            ["reason"],
+            registry=r,
+        )
         self.registry.register(_InstanceCollector(instance_counts))
+        self.registry.register(_SpecDecodeCollector(decode_loads))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
@@ -92,6 +142,10 @@ class RouterMetrics:
 
     def start(self, endpoint: str) -> RequestMeter:
         return RequestMeter(self, endpoint)
+
+    def prefill_fallback(self, reason: str) -> None:
+        """Count a sample that fell back to a decode-only run."""
+        self.prefill_fallbacks.labels(reason).inc()
 
     def rejected(self, endpoint: str, status: str) -> None:
         """Count a request refused before it ran (bad input, unknown model)."""

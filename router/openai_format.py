@@ -2,7 +2,8 @@
 
 Streaming follows OpenAI: each event is ``data: <json>\\n\\n``; the stream ends with
 ``data: [DONE]\\n\\n``. With ``stream_options.include_usage`` every chunk carries
-``"usage": null`` and one last chunk with ``"choices": []`` carries the usage. A failure after
+``"usage": null`` (with vLLM's ``continuous_usage_stats`` too, the usage so far) and one last
+chunk with ``"choices": []`` carries the usage. A failure after
 the stream started is sent as ``data: {"error": {...}}`` followed by ``[DONE]``.
 Chat chunks open each choice with ``delta.role = "assistant"``.
 """
@@ -35,6 +36,17 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
+PromptLogprobs = list[TokenLogprobs | None]
+
+
+@dataclass(frozen=True)
+class EchoPrompt:
+    """A completion prompt echoed before its choices' text (``echo``)."""
+
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class ChoiceResult:
     """One choice accumulated for a non-streaming response."""
@@ -44,11 +56,14 @@ class ChoiceResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, delta: SampleDelta) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -67,6 +82,8 @@ class _Formatter:
         prompts: PromptProcessor,
         logprobs: bool,
         include_usage: bool,
+        continuous_usage: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.request_id = request_id
         self.model = model
@@ -74,6 +91,8 @@ class _Formatter:
         self.prompts = prompts
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage  # vLLM: needs both
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field in the body
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -84,11 +103,32 @@ class _Formatter:
             "choices": choices,
         }
 
-    def chunk(self, delta: SampleDelta) -> dict[str, Any]:
+    def chunk(self, delta: SampleDelta, usage: Usage | None = None) -> dict[str, Any]:
+        """One stream chunk; ``usage`` (so far) is shown with ``continuous_usage``."""
         body = self._envelope(self.chunk_object_name, [self.chunk_choice(delta)])
         if self.include_usage:
-            body["usage"] = None
+            show = self.continuous_usage and usage is not None
+            body["usage"] = usage_body(usage) if show else None  # type: ignore[arg-type]
         return body
+
+    def prompt_logprobs_body(self, items: PromptLogprobs | None) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or
+        {token id: {"logprob", "rank", "decoded_token"}} for the token and its top k (rank
+        known for the top k only)."""
+        if items is None:
+            return None
+        return [None if i is None else self._vllm_logprobs(i) for i in items]
+
+    def _vllm_logprobs(self, item: TokenLogprobs) -> dict[str, Any]:
+        ranked = {t: r for r, t in enumerate(item.top_ids, start=1)}
+        entries = {item.token_id: item.logprob, **dict(zip(item.top_ids, item.top_logprobs))}
+        return {
+            str(t): {"logprob": lp, "rank": ranked.get(t), "decoded_token": self._text(t)}
+            for t, lp in entries.items()
+        }
+
+    def _text(self, token_id: int) -> str:
+        return self.prompts.token_text(token_id)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object_name, []), "usage": usage_body(usage)}
@@ -105,42 +145,64 @@ class _Formatter:
 
 
 class CompletionFormatter(_Formatter):
-    """``text_completion`` bodies. ``echo_text`` is prepended to each choice's text."""
+    """``text_completion`` bodies. Choice ``i*n + j`` is sample ``j`` of prompt ``i``; with
+    ``echo`` the prompt's text is prepended to each of its choices' text (and, with logprobs,
+    its tokens lead the choice's logprobs, the first with a None logprob, as in vLLM)."""
 
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, *args: Any, echo_text: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, echo: list[EchoPrompt] | None = None, n: int = 1, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.echo_text = echo_text
+        self.echo = echo
+        self.n = n
         self._offsets: dict[int, int] = {}  # per choice: text offset of the next token
-        self._echoed: set[int] = set()
+        self._started: set[int] = set()
+
+    def _echo_of(self, index: int) -> EchoPrompt | None:
+        return None if self.echo is None else self.echo[index // self.n]
 
     def chunk_choice(self, delta: SampleDelta) -> dict[str, Any]:
-        text = delta.text
-        if self.echo_text is not None and delta.index not in self._echoed:
-            self._echoed.add(delta.index)
-            text = self.echo_text + text
-        return {
-            "index": delta.index,
-            "text": text,
-            "logprobs": self._logprobs(delta.index, delta.logprobs) if self.logprobs else None,
-            "finish_reason": delta.finish_reason,
-            "stop_reason": delta.stop_reason,
-        }
+        first = delta.index not in self._started
+        self._started.add(delta.index)
+        return self._choice(delta.index, delta, first)
 
     def final_choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
-        prefix = self.echo_text or ""
-        return {
-            "index": index,
-            "text": prefix + choice.text,
-            "logprobs": self._logprobs(index, choice.logprobs) if self.logprobs else None,
-            "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason,
-        }
+        return self._choice(index, choice, True)
 
-    def _logprobs(self, index: int, items: list[TokenLogprobs]) -> dict[str, Any]:
-        tokens = [self.prompts.token_text(i.token_id) for i in items]
-        offset = self._offsets.get(index, len(self.echo_text or ""))
+    def _choice(self, index: int, out: SampleDelta | ChoiceResult, first: bool) -> dict[str, Any]:
+        echo = self._echo_of(index) if first else None
+        logprobs = None
+        if self.logprobs:
+            logprobs = self._logprobs(index, out.logprobs, echo, out.prompt_logprobs)
+        body = {
+            "index": index,
+            "text": (echo.text if echo else "") + out.text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+        }
+        if self.prompt_logprobs and first:
+            body["prompt_logprobs"] = self.prompt_logprobs_body(out.prompt_logprobs)
+        return body
+
+    def _logprobs(
+        self,
+        index: int,
+        items: list[TokenLogprobs],
+        echo: EchoPrompt | None,
+        prompt: PromptLogprobs | None,
+    ) -> dict[str, Any]:
+        """OpenAI's completion logprobs. ``top_logprobs`` always holds the chosen token, then
+        the top k (vLLM's answer; ``logprobs=0`` gives the chosen one alone)."""
+        rows: list[tuple[int, float | None, dict[str, float] | None]] = []
+        if echo is not None:
+            prompt = prompt or [None] * len(echo.token_ids)
+            rows += [(t, *self._row(lp)) for t, lp in zip(echo.token_ids, prompt)]
+        rows += [(i.token_id, *self._row(i)) for i in items]
+        tokens = [self._text(t) for t, _, _ in rows]
+        offset = self._offsets.get(index, 0)  # echoed prompt tokens come first
         offsets = []
         for token in tokens:
             offsets.append(offset)
@@ -148,13 +210,17 @@ class CompletionFormatter(_Formatter):
         self._offsets[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [
-                {self.prompts.token_text(t): lp for t, lp in zip(i.top_ids, i.top_logprobs)}
-                for i in items
-            ],
+            "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [top for _, _, top in rows],
             "text_offset": offsets,
         }
+
+    def _row(self, item: TokenLogprobs | None) -> tuple[float | None, dict[str, float] | None]:
+        if item is None:
+            return None, None
+        top = {self._text(item.token_id): item.logprob}
+        top.update({self._text(t): lp for t, lp in zip(item.top_ids, item.top_logprobs)})
+        return item.logprob, top
 
 
 class ChatFormatter(_Formatter):
@@ -179,6 +245,12 @@ class ChatFormatter(_Formatter):
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.stop_reason,
         }
+
+    def response(self, choices: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
+        body = super().response(choices, usage)
+        if self.prompt_logprobs:  # vLLM puts the chat's at the top level
+            body["prompt_logprobs"] = self.prompt_logprobs_body(choices[0].prompt_logprobs)
+        return body
 
     def final_choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
         return {

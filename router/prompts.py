@@ -8,15 +8,36 @@ tokenized without adding special tokens again (the template already holds them).
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from router.errors import invalid_request
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 _DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def keep_torch_out() -> bool:
+    """Make this process torch-free; called first thing by the router process.
+
+    The router serves no weights, yet transformers 5 imports torch whenever it is installed
+    (``AutoTokenizer`` builds the model's config class, whose module imports torch): seconds
+    of start-up and hundreds of MB. Marked absent, torch cannot be imported here, and
+    transformers runs in its supported tokenizers-only mode, choosing the same tokenizer.
+    Changes nothing and returns False where torch is already loaded (a test process that
+    hosts the router beside engines).
+    """
+    if sys.modules.get("torch") is not None or "transformers" in sys.modules:
+        return False
+    sys.modules["torch"] = None  # type: ignore[assignment]  # makes ``import torch`` fail
+    # transformers then says once that models are unavailable: expected here, not advice
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    return True
 
 
 class PromptProcessor:
@@ -25,26 +46,42 @@ class PromptProcessor:
     Stateless after construction: safe to share between concurrent requests.
     """
 
-    def __init__(self, model_dir: Path, max_model_len: int | None = None) -> None:
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer  # here: importing the router needs none
+
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
         config = _read_json(model_dir / "config.json")
-        limit = int(config.get("max_position_embeddings", _DEFAULT_MAX_MODEL_LEN))
-        if max_model_len is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
-        self.max_model_len = max_model_len or limit
+        # The model's own limit (no node serves a longer context); requests are checked against
+        # the nodes' max_model_len, which the registry knows.
+        self.model_max_len = int(config.get("max_position_embeddings", _DEFAULT_MAX_MODEL_LEN))
         self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer))
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a plain-text prompt (with the model's BOS, like the offline LLM)."""
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The chat template applied to ``messages`` (a list of {"role", "content"})."""
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template applied to ``messages`` (a list of {"role", "content"});
+        ``template_kwargs`` (the request's ``chat_template_kwargs``) are the template's
+        variables, as in vLLM (``enable_thinking``, …)."""
         if not self.tokenizer.chat_template:
             raise invalid_request("this model has no chat template; use /v1/completions")
+        kwargs = dict(template_kwargs or {})
+        for reserved in ("tokenize", "add_generation_prompt", "conversation", "messages"):
+            if reserved in kwargs:
+                msg = f"chat_template_kwargs may not set {reserved!r}"
+                raise invalid_request(msg, param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
         except Exception as exc:  # jinja errors: the template rejected these messages
             raise invalid_request(f"chat template failed: {exc}", param="messages") from None
@@ -62,17 +99,19 @@ class PromptProcessor:
                 f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param
             )
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        """The output cap for a prompt of ``prompt_len`` tokens; 400 if it cannot fit.
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, max_model_len: int) -> int:
+        """The output cap for a prompt of ``prompt_len`` tokens in a context of
+        ``max_model_len`` (the nodes'); 400 if it cannot fit.
 
         ``requested`` None means "until the context is full".
         """
         if prompt_len == 0:
             raise invalid_request("prompt is empty: at least one token is needed", "prompt")
-        room = self.max_model_len - prompt_len
+        room = max_model_len - prompt_len
         if room < 1:
             raise invalid_request(
-                f"prompt has {prompt_len} tokens; this model's context is {self.max_model_len}",
+                f"prompt has {prompt_len} tokens; the served context (max_model_len) is"
+                f" {max_model_len} tokens, which leaves no room to generate",
                 param="prompt",
                 code="context_length_exceeded",
             )
@@ -82,8 +121,8 @@ class PromptProcessor:
             raise invalid_request(f"max_tokens must be >= 1, got {requested}", "max_tokens")
         if requested > room:
             raise invalid_request(
-                f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds this "
-                f"model's context of {self.max_model_len} tokens",
+                f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds the"
+                f" served context (max_model_len) of {max_model_len} tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )

@@ -6,7 +6,14 @@ Two ways in:
   LoadReport; one silent for ``heartbeat_timeout_s`` is dropped (``expire``), and it must
   Register again (its Heartbeat answers ``known=false``).
 - *static* instances come from flags (``--prefill``/``--decode``); they are never dropped, and
-  a poller (``router.static_pool``) refreshes their load and health.
+  a poller (``router.maintenance``) asks them for their NodeInfo once, then for their load and
+  health.
+
+The pool has one layout. Every instance reports a ``NodeInfo``: a node whose KV fingerprint
+differs from the instances' already there is refused (its KV could not be shared), and so is
+one that the router's own ``--block-size`` / ``--max-model-len`` rule out. The router takes its
+block size (for prefix-affinity hashes) and its context limit from the instances
+(``block_size``, ``max_model_len``).
 
 An instance that fails a call (UNAVAILABLE, connection reset) is *suspect* for a short cooldown:
 balancers skip it, so one dead node costs each request at most one retry. Load used for
@@ -18,77 +25,26 @@ All methods are synchronous and run on the router's event loop; no locking.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pdserve_proto import pdserve_pb2 as pb
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"  # serves both Prefill and Decode
-
-    @classmethod
-    def from_proto(cls, role: int) -> Role:
-        try:
-            return _ROLE_FROM_PROTO[role]
-        except KeyError:
-            raise ValueError(f"unknown role {role}") from None
-
-    def serves(self, wanted: Role) -> bool:
-        return self is wanted or self is Role.COLOCATED
-
-
-_ROLE_FROM_PROTO = {
-    pb.ROLE_PREFILL: Role.PREFILL,
-    pb.ROLE_DECODE: Role.DECODE,
-    pb.ROLE_COLOCATED: Role.COLOCATED,
-}
-
-
-@dataclass(frozen=True)
-class Load:
-    """The balancing-relevant part of a node's LoadReport."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    queued_prompt_tokens: int = 0
-    max_num_seqs: int = 0
-    draining: bool = False
-
-    @classmethod
-    def from_proto(cls, report: pb.LoadReport) -> Load:
-        return cls(
-            num_waiting=report.num_waiting,
-            num_running=report.num_running,
-            kv_usage=min(max(report.kv_usage, 0.0), 1.0),
-            num_free_blocks=report.num_free_blocks,
-            num_total_blocks=report.num_total_blocks,
-            queued_prompt_tokens=report.queued_prompt_tokens,
-            max_num_seqs=report.max_num_seqs,
-            draining=report.draining,
-        )
+from pdserve_proto.nodes import NodeInfo, NodeLoad, Role
 
 
 @dataclass(eq=False)
 class Instance:
     """One node as the router sees it. Identity is the object (``eq=False``): a re-registered
-    node is a new Instance, so per-instance state held elsewhere (affinity) starts fresh."""
+    node is a new Instance, so per-instance state held elsewhere (affinity) starts fresh.
+    ``info`` is None only for a static instance not yet asked for it."""
 
     instance_id: str
     role: Role
     address: str
     static: bool = False
-    model: str = ""
-    fingerprint: str = ""
-    load: Load = field(default_factory=Load)
+    info: NodeInfo | None = None
+    load: NodeLoad = field(default_factory=NodeLoad)
     last_seen_s: float = 0.0
     healthy: bool = True
     suspect_until_s: float = 0.0
@@ -109,11 +65,17 @@ class Instance:
 
 
 class RegistrationRefused(ValueError):
-    """Register was refused (model or KV layout fingerprint mismatch)."""
+    """A node the router cannot pool: another model, another KV layout than the instances it
+    has, or a block size / max_model_len its flags rule out."""
 
 
 class Registry:
-    """Instances by id. ``model`` is the served model; a node serving another is refused."""
+    """Instances by id, and the layout they share.
+
+    ``model`` is the served model (a node serving another is refused). ``block_size`` and
+    ``max_model_len`` are the router's own settings, if any: a node with another block size, or
+    a shorter context than ``max_model_len``, is refused (never silently served).
+    """
 
     def __init__(
         self,
@@ -122,6 +84,8 @@ class Registry:
         heartbeat_timeout_s: float = 10.0,
         suspect_cooldown_s: float = 5.0,
         model_aliases: frozenset[str] = frozenset(),
+        block_size: int | None = None,
+        max_model_len: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
@@ -130,6 +94,8 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.suspect_cooldown_s = suspect_cooldown_s
+        self.expected_block_size = block_size
+        self.max_model_len_cap = max_model_len
         self._model_names = {model, *model_aliases}
         self._clock = clock
         self._instances: dict[str, Instance] = {}
@@ -140,51 +106,72 @@ class Registry:
         instance_id: str,
         role: Role,
         address: str,
-        model: str = "",
-        fingerprint: str = "",
-        load: Load | None = None,
+        info: NodeInfo,
+        load: NodeLoad | None = None,
     ) -> Instance:
-        """Add (or replace) a registered instance; raises RegistrationRefused on a mismatch.
+        """Add (or replace) a registered instance; raises RegistrationRefused when it cannot
+        join the pool, ValueError when the request is incomplete.
 
         A previous entry with the same id, or with the same role and address (a restarted
         node on a reused port), is replaced.
         """
         if not instance_id or not address:
-            raise RegistrationRefused("instance_id and address are required")
-        if model and model not in self._model_names:
-            raise RegistrationRefused(f"router serves {self.model!r}, node serves {model!r}")
-        self._check_fingerprint(fingerprint, instance_id)
-        for old in list(self._instances.values()):
-            if old.instance_id == instance_id or (old.address == address and old.role is role):
-                del self._instances[old.instance_id]
-        instance = Instance(instance_id, role, address, model=model, fingerprint=fingerprint)
-        instance.load = load or Load()
+            raise ValueError("instance_id and address are required")
+        replaced = [
+            old
+            for old in self._instances.values()
+            if old.instance_id == instance_id or (old.address == address and old.role is role)
+        ]
+        self._admit(instance_id, info, others=self._others(replaced))
+        for old in replaced:
+            del self._instances[old.instance_id]
+        instance = Instance(instance_id, role, address, info=info, load=load or NodeLoad())
         instance.last_seen_s = self._clock()
         self._instances[instance_id] = instance
         return instance
 
-    def _check_fingerprint(self, fingerprint: str, instance_id: str) -> None:
-        """Every instance must share one KV layout, or decode nodes cannot read prefill KV."""
-        if not fingerprint:
-            return
-        others = {
-            i.fingerprint
-            for i in self._instances.values()
-            if i.fingerprint and i.instance_id != instance_id
-        }
-        if others and fingerprint not in others:
+    def _others(self, excluded: list[Instance]) -> list[Instance]:
+        return [i for i in self._instances.values() if i.info is not None and i not in excluded]
+
+    def _admit(self, name: str, info: NodeInfo, others: list[Instance]) -> None:
+        """Raise RegistrationRefused unless a node with ``info`` fits the pool of ``others``."""
+        if info.model and info.model not in self._model_names:
+            raise RegistrationRefused(f"router serves {self.model!r}, {name} serves {info.model!r}")
+        pool = sorted({i.info.fingerprint for i in others if i.info is not None})
+        if pool and info.fingerprint not in pool:
+            # Every instance must share one KV layout, or decode nodes cannot read prefill KV.
             raise RegistrationRefused(
-                f"KV layout fingerprint {fingerprint!r} differs from the pool's {sorted(others)}"
+                f"{name}'s KV layout fingerprint {info.fingerprint!r} differs from the pool's"
+                f" {', '.join(map(repr, pool))}: another model config, dtype, block size or"
+                " cache shape"
+            )
+        wanted = self.expected_block_size
+        if wanted is not None and info.block_size != wanted:
+            raise RegistrationRefused(
+                f"{name} has block size {info.block_size}; the router's --block-size is {wanted}"
+            )
+        cap = self.max_model_len_cap
+        if cap is not None and info.max_model_len < cap:
+            raise RegistrationRefused(
+                f"{name} has max_model_len {info.max_model_len}, below the router's"
+                f" --max-model-len {cap}: it could not serve every request the router admits"
             )
 
     def add_static(self, role: Role, address: str) -> Instance:
-        """Add an instance from the command line (never expires; polled for load/health)."""
+        """Add an instance from the command line (never expires; polled for load/health, and
+        once for its ``NodeInfo``)."""
         instance = Instance(f"static-{role.value}-{address}", role, address, static=True)
         instance.last_seen_s = self._clock()
         self._instances[instance.instance_id] = instance
         return instance
 
-    def heartbeat(self, instance_id: str, load: Load | None) -> bool:
+    def describe_static(self, instance: Instance, info: NodeInfo) -> None:
+        """Record what a static instance serves; raises RegistrationRefused (it stays
+        unpooled: no info) when it does not fit the pool."""
+        self._admit(instance.address, info, others=self._others([instance]))
+        instance.info = info
+
+    def heartbeat(self, instance_id: str, load: NodeLoad | None) -> bool:
         """Refresh a registered instance; False if unknown (it must Register again)."""
         instance = self._instances.get(instance_id)
         if instance is None:
@@ -207,13 +194,32 @@ class Registry:
             del self._instances[instance.instance_id]
         return dropped
 
+    # -- the pool's layout -------------------------------------------------------------------
+    def max_model_len(self) -> int | None:
+        """Longest prompt + output the router admits: the shortest context of the nodes it
+        knows (so a request fits whichever node runs it), capped by its own
+        ``--max-model-len``; None while no node has said (and no cap is set)."""
+        lengths = [i.info.max_model_len for i in self._instances.values() if i.info is not None]
+        if self.max_model_len_cap is not None:
+            lengths.append(self.max_model_len_cap)
+        return min(lengths, default=None)
+
+    def block_size(self) -> int | None:
+        """The pool's KV block size (one fingerprint, so one block size); the router's
+        ``--block-size`` while no node has said; else None."""
+        for instance in self._instances.values():
+            if instance.info is not None:
+                return instance.info.block_size
+        return self.expected_block_size
+
     # -- health ------------------------------------------------------------------------------
     def mark_failed(self, instance: Instance) -> None:
         """A call to ``instance`` failed at the transport level: skip it for a cooldown."""
         instance.suspect_until_s = self._clock() + self.suspect_cooldown_s
 
-    def update_static(self, instance: Instance, load: Load | None) -> None:
-        """Result of polling a static instance: its load, or None when the poll failed."""
+    def update_static(self, instance: Instance, load: NodeLoad | None) -> None:
+        """Result of polling a static instance: its load, or None when the poll failed (or it
+        does not fit the pool)."""
         instance.healthy = load is not None
         if load is not None:
             instance.load = load

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import logprobs_from_proto, sampling_params_to_proto
 
 from common.output_processor import TextStream
 from common.request import TokenLogprobs
 from common.sampling_params import SamplingParams, child_seed
-from node_frontend.convert import sampling_params_to_proto
 
-_FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+# Node finishes that end the sample; "abort" and "error" leave it to be resumed elsewhere.
+_FINISHING = ("stop", "length")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class SampleDelta:
     """New output of sample ``index``: tokens, their text, and the finish when it is the last.
 
     ``stop_reason`` is the stop string or stop token id that ended the sample (None for EOS
-    or length), as in vLLM.
+    or length), as in vLLM. ``prompt_logprobs`` come with the sample's first delta.
     """
 
     index: int
@@ -37,6 +38,9 @@ class SampleDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # the first delta of a sample whose request asked for them: one entry per prompt token,
+    # None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -51,13 +55,6 @@ def sample_seed(seed: int, index: int) -> int:
 def to_proto_sampling(params: SamplingParams, seed: int) -> pb.SamplingParams:
     """The node-level sampling parameters of one sample (stop strings and n stay here)."""
     return sampling_params_to_proto(dataclasses.replace(params, seed=seed, n=1))
-
-
-def from_proto_logprobs(items: Sequence[pb.TokenLogprob]) -> list[TokenLogprobs]:
-    return [
-        TokenLogprobs(i.token_id, i.logprob, list(i.top_token_ids), list(i.top_logprobs))
-        for i in items
-    ]
 
 
 class SampleState:
@@ -80,14 +77,15 @@ class SampleState:
         self,
         token_ids: Sequence[int],
         logprobs: Sequence[pb.TokenLogprob] = (),
-        finish_reason: int = pb.FINISH_REASON_UNSPECIFIED,
+        finish_reason: str | None = None,
         stop_token_id: int | None = None,
     ) -> SampleDelta:
-        """Accept node output. A node finish of ABORT or ERROR leaves the sample unfinished
-        (the caller resumes it elsewhere); STOP and LENGTH finish it."""
+        """Accept node output (``finish_reason`` as ``pdserve_proto.convert`` names it). A
+        node's "abort" or "error" leaves the sample unfinished (the caller resumes it
+        elsewhere); "stop" and "length" finish it."""
         if self.finished:
             return SampleDelta(self.index, [], "")
-        finishing = finish_reason in _FINISH_REASONS
+        finishing = finish_reason in _FINISHING
         accepted: list[int] = []
         text = ""
         for position, token in enumerate(token_ids):
@@ -100,8 +98,8 @@ class SampleState:
         if not self.finished and finishing:
             if not token_ids:
                 text += self.stream.add([], final=True)
-            self.finish_reason = _FINISH_REASONS[finish_reason]
+            self.finish_reason = finish_reason
             self.stop_reason = stop_token_id
         self.token_ids += accepted
-        kept = from_proto_logprobs(logprobs[: len(accepted)]) if logprobs else []
+        kept = logprobs_from_proto(logprobs[: len(accepted)]) if logprobs else []
         return SampleDelta(self.index, accepted, text, kept, self.finish_reason, self.stop_reason)

@@ -2,8 +2,12 @@
 
 - HTTP: :class:`GuardMiddleware` (pure ASGI, runs before routing) rejects oversized headers
   (431) and declared-oversized bodies (413), then requires ``Authorization: Bearer <key>`` on
-  every path except ``/health`` (401). Bodies without a Content-Length are capped while read
-  (``router.http_api.read_body``). uvicorn's own h11 limit stays above ours as a backstop.
+  every path except ``/health`` and ``/ready`` (401). Bodies without a Content-Length are capped
+  while read (``router.http_api.read_body``). uvicorn's own h11 limit stays above ours as a
+  backstop. An oversized body is read and dropped (up to ``DRAIN_BYTES``) before the 413 goes
+  out: a server that answers and closes with the body unread resets the connection, and the
+  client, still writing, never sees the answer. JSON nesting is bounded before parsing
+  (:func:`json_too_deep`): the parser recurses once per level.
 - gRPC: ``Generate`` checks the ``authorization`` metadata with :func:`bearer_ok`; node-facing
   methods (Register/Heartbeat/Deregister) rely on mutual TLS where the network is not trusted.
 - TLS: :func:`server_credentials` (optional client CA: mutual TLS).
@@ -15,8 +19,10 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
+from itertools import accumulate, repeat
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+DRAIN_BYTES = 64 * 2**20  # an oversized body up to this is read (and dropped) before the 413
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NESTING = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # opener: +1, closer: -1 (after -1)
 
 
 def bearer_ok(authorization: str | None, api_key: str | None) -> bool:
@@ -52,6 +61,7 @@ class HttpGuard:
     api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
     max_header_bytes: int = 16 * 2**10
+    max_json_depth: int = 64
 
     def check(self, scope: Scope) -> RouterError | None:
         """The error to answer with, or None to let the request through."""
@@ -75,6 +85,20 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
+def json_too_deep(raw: bytes, max_depth: int) -> bool:
+    """True when the JSON text ``raw`` nests arrays and objects deeper than ``max_depth``.
+
+    Linear and C-speed (no parsing): brackets inside strings are skipped; malformed text is
+    measured the same way, since a recursive parser would descend as deep before failing."""
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return False
+    brackets = _JSON_STRING.sub(b"", raw).translate(_NESTING, delete=_NOT_BRACKETS)
+    return max(accumulate(map(int.__sub__, brackets, repeat(1))), default=0) > max_depth
+
+
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[{]}")
+
+
 class GuardMiddleware:
     """ASGI middleware applying an :class:`HttpGuard` to every HTTP request."""
 
@@ -86,9 +110,29 @@ class GuardMiddleware:
         if scope["type"] == "http":
             error = self.guard.check(scope)
             if error is not None:
+                if error.status == 413 and not _expects_continue(scope):
+                    await drain(receive)  # a 100-continue client has not sent it: no need
                 await send_error(send, error)
                 return
         await self.app(scope, receive, send)
+
+
+def _expects_continue(scope: Scope) -> bool:
+    expect = _header(scope.get("headers", []), b"expect")
+    return expect is not None and expect.lower() == "100-continue"
+
+
+async def drain(receive: Receive, limit: int = DRAIN_BYTES) -> None:
+    """Read and drop the rest of a request body (at most ``limit`` bytes), so that the
+    answer that follows reaches a client that is still sending."""
+    size = 0
+    while size <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 async def send_error(send: Send, error: RouterError) -> None:

@@ -28,9 +28,10 @@ from fastapi import FastAPI
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
-from common.models.tiny import resolve_model_path
-from router.autoscale_config import AutoscaleSettings, add_autoscale_arguments
-from router.autoscale_loop import start_autoscaler
+from bench.slo import LiveSLOStats
+from common.models.names import resolve_model_path
+from router.autoscale.config import AutoscaleSettings, add_autoscale_arguments
+from router.autoscale.loop import start_autoscaler
 from router.balancer import DECODE_POLICIES, PREFILL_POLICIES
 from router.config import RouterConfig, add_arguments
 from router.core import RouterCore, ServedModel
@@ -41,11 +42,9 @@ from router.maintenance import poll_static, run_maintenance
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients, NodeTLS
 from router.openai_models import Limits
-from router.processes import connect_host
-from router.prompts import PromptProcessor
+from router.prompts import PromptProcessor, keep_torch_out
 from router.registry import Registry, Role
 from router.security import HttpGuard, server_credentials
-from router.slo import LiveSLOStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    keep_torch_out()
     import uvloop
 
     config = RouterConfig.from_args(args)
@@ -68,7 +68,10 @@ def main(args: argparse.Namespace) -> int:
         autoscale = AutoscaleSettings.from_args(args, config.slo)
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from None
-    uvloop.run(serve(config, autoscale))
+    try:
+        uvloop.run(serve(config, autoscale))
+    except PortBusy as exc:
+        raise SystemExit(f"pdserve router: {exc}") from None
     return 0
 
 
@@ -92,12 +95,16 @@ def build_router(config: RouterConfig) -> Router:
         aliases=frozenset({config.model, str(model_dir)}),
         created=int(time.time()),
     )
+    prompts = PromptProcessor(resolve_model_path(config.tokenizer or config.model))
+    _check_layout_flags(config, prompts.model_max_len)
     registry = Registry(
         config.model,
         heartbeat_interval_s=config.heartbeat_interval_s,
         heartbeat_timeout_s=config.heartbeat_timeout_s,
         suspect_cooldown_s=max(2 * config.heartbeat_interval_s, 1.0),
         model_aliases=served.aliases | {served.name},
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
     )
     for role, addresses in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
         for address in addresses:
@@ -108,8 +115,12 @@ def build_router(config: RouterConfig) -> Router:
         else None
     )
     clients = NodeClients(tls)
-    prompts = PromptProcessor(resolve_model_path(config.tokenizer or config.model),
-                              config.max_model_len)  # fmt: skip
+    slo = LiveSLOStats(config.slo, window_s=config.slo_window_s)
+    metrics = RouterMetrics(
+        registry.state_counts,
+        slo,
+        lambda: [(i.instance_id, i.load) for i in registry.instances(Role.DECODE)],
+    )
     flow = RequestFlow(
         registry,
         clients,
@@ -117,17 +128,18 @@ def build_router(config: RouterConfig) -> Router:
         PREFILL_POLICIES[config.prefill_policy](),
         DECODE_POLICIES[config.decode_policy](),
         FlowConfig(
-            config.block_size,
             config.max_retries,
             config.prefill_timeout_s,
             config.decode_stall_timeout_s,
+            config.prefill_fallback,
         ),
+        on_fallback=metrics.prefill_fallback,
     )
-    slo = LiveSLOStats(config.slo, window_s=config.slo_window_s)
-    metrics = RouterMetrics(registry.state_counts, slo)
     limits = Limits(max_n=config.max_n, max_logprobs=config.max_logprobs)
     core = RouterCore(served, prompts, flow, metrics, limits, config.max_inflight)
-    guard = HttpGuard(config.api_key, config.max_body_bytes, config.max_header_bytes)
+    guard = HttpGuard(
+        config.api_key, config.max_body_bytes, config.max_header_bytes, config.max_json_depth
+    )
     return Router(
         config,
         registry,
@@ -136,6 +148,21 @@ def build_router(config: RouterConfig) -> Router:
         create_app(core, registry, guard),
         RouterServicer(core, registry, config.api_key),
     )
+
+
+def _check_layout_flags(config: RouterConfig, model_max_len: int) -> None:
+    """The router learns block size and context length from its nodes; its own flags only
+    check them (a node that disagrees is refused at registration)."""
+    if config.block_size is not None:
+        logger.warning(
+            "--block-size is deprecated: the router takes the block size from its nodes;"
+            " set to %d, it only refuses nodes with another block size",
+            config.block_size,
+        )
+    if config.max_model_len is not None and config.max_model_len > model_max_len:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} exceeds the model's limit {model_max_len}"
+        )
 
 
 async def start_grpc(router: Router) -> tuple[grpc.aio.Server, int]:
@@ -147,13 +174,16 @@ async def start_grpc(router: Router) -> tuple[grpc.aio.Server, int]:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{_bracket(config.host)}:{config.grpc_port}"
-    if config.tls_cert and config.tls_key:
-        creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if config.tls_cert and config.tls_key:
+            creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address …"
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind gRPC to {address}")
+        raise PortBusy(f"cannot listen on {address} for gRPC (--grpc-port changes the port)")
     await server.start()
     return server, port
 
@@ -186,11 +216,22 @@ def http_server(router: Router) -> tuple[_UvicornServer, socket.socket]:
     return _UvicornServer(uv_config), sock
 
 
+class PortBusy(OSError):
+    """A port the router was told to listen on is taken (or not ours to bind)."""
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortBusy(
+            f"cannot listen on {_bracket(host)}:{port} for HTTP: {exc.strerror}"
+            " (--port changes the port)"
+        ) from None
     sock.listen(2048)
     sock.setblocking(False)
     return sock
@@ -206,7 +247,11 @@ async def serve(config: RouterConfig, autoscale: AutoscaleSettings | None = None
     router = build_router(config)
     await poll_static(router.registry, router.clients, timeout_s=2.0)
     grpc_server, grpc_port = await start_grpc(router)
-    uv_server, sock = http_server(router)
+    try:
+        uv_server, sock = http_server(router)
+    except PortBusy:
+        await grpc_server.stop(None)
+        raise
     http_task = asyncio.create_task(uv_server.serve(sockets=[sock]))
     upkeep = asyncio.create_task(
         run_maintenance(router.registry, router.clients, config.poll_interval_s)
@@ -226,11 +271,12 @@ async def serve(config: RouterConfig, autoscale: AutoscaleSettings | None = None
                 config.host, http_port, config.host, grpc_port)  # fmt: skip
     scaler = None
     if autoscale is not None:
+        from launcher.processes import connect_host  # the local actuator's nodes dial back
+
         router_grpc = f"{connect_host(config.host)}:{grpc_port}"
         scaler = await start_autoscaler(
             autoscale,
             router.registry,
-            router.clients,
             router.core.metrics,
             router_grpc,
             config.model,

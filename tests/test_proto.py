@@ -162,7 +162,7 @@ def test_prefill_roundtrip() -> None:
             token_id=42, logprob=-0.25, top_token_ids=[42, 3], top_logprobs=[-0.25, -1.5]
         ),
         kv_handle=_handle(),
-        finish_reason=pb.FINISH_REASON_UNSPECIFIED,
+        finish_reason=pb.FINISH_REASON_HANDED_OFF,
         timing=pb.PrefillTiming(queue_ms=1.5, compute_ms=20.0, save_ms=3.25),
         num_cached_tokens=16,
     )
@@ -208,15 +208,16 @@ def test_load_and_registry_roundtrip() -> None:
         decode_tokens_per_s=1234.5,
         draining=True,
     )
+    info = pb.NodeInfo(model="tiny-llama", fingerprint="fp", block_size=16, max_model_len=512)
     reg = pb.RegisterRequest(
         instance_id="decode-0",
         role=pb.ROLE_DECODE,
         address="127.0.0.1:50071",
-        model="tiny-llama",
-        fingerprint="fp",
         load=load,
+        info=info,
     )
     assert _roundtrip(reg).load == load
+    assert _roundtrip(reg).info == info
     assert _roundtrip(pb.HeartbeatRequest(instance_id="decode-0", load=load)).load.draining
     assert _roundtrip(pb.RegisterResponse(heartbeat_interval_s=2.0)).heartbeat_interval_s == 2.0
     assert not _roundtrip(pb.HeartbeatResponse(known=False)).known
@@ -242,6 +243,7 @@ def test_generate_roundtrip_and_oneofs() -> None:
 def test_enum_names_are_stable() -> None:
     # Routers and nodes log and compare these by name; renames break dashboards.
     assert pb.FinishReason.Name(pb.FINISH_REASON_LENGTH) == "FINISH_REASON_LENGTH"
+    assert pb.FinishReason.Name(pb.FINISH_REASON_HANDED_OFF) == "FINISH_REASON_HANDED_OFF"
     assert [pb.Role.Name(v) for v in pb.Role.values()] == [
         "ROLE_UNSPECIFIED",
         "ROLE_PREFILL",

@@ -136,6 +136,7 @@ def test_chat_template(cache_root: Path, name: str) -> None:
         "tiny-qwen2": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n",
     }
+    expected["tiny-qwen3"] = expected["tiny-qwen2"]
     assert text == expected[name]
     markers = {"tiny-llama": ("<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>")}
     for marker in markers.get(name, ("<|im_start|>", "<|im_end|>")):
@@ -154,6 +155,7 @@ _RACE_SCRIPT = """
 import logging, pathlib, sys, time
 from common.models.tiny import ensure_tiny_model
 import transformers, transformers.models.llama, transformers.models.qwen2  # slow imports first
+import transformers.models.qwen3
 logging.basicConfig(level=logging.INFO)
 pathlib.Path(sys.argv[1]).touch()
 while not pathlib.Path(sys.argv[2]).exists():
@@ -264,6 +266,7 @@ _SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_at
         ("llama", dict(num_key_value_heads=1, head_dim=32)),
         ("mistral", dict(num_key_value_heads=1, head_dim=32, sliding_window=None)),
         ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+        ("qwen3", dict(num_key_value_heads=1, head_dim=48, tie_word_embeddings=True)),
     ],
 )
 def test_sharded_checkpoint_loads_with_same_logits(

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 Plain single-device PyTorch around a few fused ops (``kernels/ops.py``: Triton on CUDA, native
 C on CPU, one dispatched op each). A decoder layer is ten ops:
@@ -6,7 +6,14 @@ C on CPU, one dispatched op each). A decoder layer is ten ops:
     fused_add_rms_norm → qkv_proj → rotary_embedding_and_cache (q rotated; k, v into the cache)
     → attention → o_proj → fused_add_rms_norm → gate_up_proj → silu_and_mul → down_proj
 
-Projections are fused (q|k|v, gate|up); the loader splits HF checkpoints into them. The residual
+Qwen3 adds an RMSNorm of every q and k head over ``head_dim`` before RoPE (``q_norm``, ``k_norm``:
+the same ``rms_norm`` op with heads as rows): five more kernels per layer (two copies of the head
+rows, two norms, one concatenation back into q|k|v for the rotary op).
+
+Projections are fused (q|k|v, gate|up); the loader splits HF checkpoints into them. Under tensor
+parallelism (``tp``, ``common/parallel/``) each rank builds the same model over its heads and
+intermediate rows, with o_proj and down_proj row-parallel (one all-reduce each), a
+vocab-parallel embedding and LM head; ``tp=None`` is the single-device model, op for op. The residual
 stream travels beside the hidden states so its add happens inside the next norm. Numerics follow
 HF transformers step for step (fp32 inside RMSNorm, the model dtype between ops, the same
 rounding points in RoPE and SiLU), so greedy outputs match token for token; the model stays in
@@ -24,11 +31,13 @@ import torch
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata
+from common.parallel.group import TensorParallel
+from common.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
 
 _ops = torch.ops.pdserve
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,8 @@ class LlamaArgs:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     qkv_bias: bool
+    o_bias: bool  # Llama/Qwen3 ``attention_bias`` puts a bias on o_proj too; Qwen2 has none there
+    qk_norm: bool  # Qwen3: RMSNorm of each q and k head before RoPE
     tie_word_embeddings: bool
 
     @staticmethod
@@ -69,6 +80,8 @@ class LlamaArgs:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         )
 
@@ -136,24 +149,41 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), -1), False)
 
 
+def local_heads(args: LlamaArgs, tp: TensorParallel | None) -> tuple[int, int]:
+    """(query heads, KV heads) one rank holds."""
+    if tp is None:
+        return args.num_heads, args.num_kv_heads
+    begin, end = tp.kv_head_range(args.num_kv_heads)
+    return args.num_heads // tp.size, end - begin
+
+
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, args: LlamaArgs, layer: int, backend: AttentionBackend, tp: TensorParallel | None
+    ) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            args.num_heads,
-            args.num_kv_heads,
-            args.head_dim,
-        )
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
+        self.num_heads, self.num_kv_heads = local_heads(args, tp)
+        self.head_dim = args.head_dim
+        self.q_size = self.num_heads * args.head_dim
+        self.kv_size = self.num_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.o_proj: nn.Module = (
+            nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+            if tp is None
+            else RowParallelLinear(self.q_size, args.hidden_size, args.o_bias, tp)
+        )
         self.scale = args.head_dim**-0.5
         self.backend = backend
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
 
     def forward(self, positions, x, rotary, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
+        if self.qk_norm:
+            qkv = self._norm_heads(qkv)
         hooks = meta.hooks
         if hooks is not None:
             hooks.before_layer(self.layer)  # remote KV of this layer must have landed
@@ -171,22 +201,37 @@ class Attention(nn.Module):
         o = self.backend.attend(q, kv_layer, meta, self.scale)  # (T, H, D)
         return self.o_proj(o.view(-1, self.q_size))
 
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3: each q and k head RMS-normalised over ``head_dim`` (heads as the norm's rows),
+        v untouched; ``(T, (H + 2 Hkv) D)`` in and out, as HF normalises before RoPE."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)  # (T H, D) rows
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)  # (T Hkv, D) rows
+        return torch.cat((q, k, v), dim=-1)
+
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, tp: TensorParallel | None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        inter = args.intermediate_size // (tp.size if tp is not None else 1)
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * inter, bias=False)
+        self.down_proj: nn.Module = (
+            nn.Linear(inter, args.hidden_size, bias=False)
+            if tp is None
+            else RowParallelLinear(inter, args.hidden_size, False, tp)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, args: LlamaArgs, layer: int, backend: AttentionBackend, tp: TensorParallel | None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer, backend)
-        self.mlp = MLP(args)
+        self.self_attn = Attention(args, layer, backend, tp)
+        self.mlp = MLP(args, tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -205,13 +250,28 @@ class LlamaForCausalLM(nn.Module):
     """``forward`` maps flat token ids ``(T,)`` to final hidden states ``(T, hidden)``;
     ``compute_logits`` applies the head to the rows that need a next token."""
 
-    def __init__(self, args: LlamaArgs, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        args: LlamaArgs,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, backend) for i in range(args.num_layers))
+        self.args, self.tp = args, tp
+        self.num_local_kv_heads = local_heads(args, tp)[1]  # this rank's slice of the KV cache
+        self.embed_tokens: nn.Module
+        self.lm_head: nn.Module
+        if tp is None:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i, backend, tp) for i in range(args.num_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(args, max_positions)
@@ -231,4 +291,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (B, vocab) fp32 for the sampler
+        """``(B, vocab)`` fp32 for the sampler. Under TP a collective: rank 0 calls this while
+        every other rank calls ``lm_head`` on the same rows (its share of the gather)."""
+        if self.tp is not None:
+            logits = self.lm_head(hidden)
+            assert logits is not None, "only rank 0 samples"
+            return logits
+        return self.lm_head(hidden).float()

@@ -2,6 +2,11 @@
 
 HF names map one to one except the fused projections: ``q_proj|k_proj|v_proj`` → ``qkv_proj``
 and ``gate_proj|up_proj`` → ``gate_up_proj`` (each checkpoint tensor is copied into its rows).
+
+Under tensor parallelism each rank reads only its slices (safetensors ``get_slice``): q/k/v rows
+of its heads (a KV head shared by several ranks is read by each), gate/up rows and down_proj
+columns of its intermediate range, o_proj columns of its heads, embedding and LM head rows of
+its vocabulary range (zero-padded past the vocabulary); norms and o_proj's bias whole.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from common.attention import AttentionBackend
-from common.models.llama import LlamaArgs, LlamaForCausalLM
+from common.models.llama import LlamaArgs, LlamaForCausalLM, local_heads
+from common.parallel.group import TensorParallel, check_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +63,21 @@ def build_model(
     max_positions: int,
     load_format: str = "auto",
     seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Construct the model on ``device`` in ``dtype`` and fill its weights."""
+    """Construct the model on ``device`` in ``dtype`` and fill its weights (``tp``: this rank's
+    shard only)."""
     args = LlamaArgs.from_hf(hf_config)
+    if tp is not None:
+        check_divisible(tp.size, args.num_heads, args.num_kv_heads, args.intermediate_size)
     start = time.perf_counter()
     with torch.device(device):
-        model = LlamaForCausalLM(args, backend, max_positions)
+        model = LlamaForCausalLM(args, backend, max_positions, tp)
     model.to(dtype)  # the rotary table too: fp32 values cast once, as HF casts them per use
     if load_format == "dummy":
         _fill_dummy(model, seed)
     else:
-        _load_safetensors(model, model_dir, args)
+        _load_safetensors(model, model_dir, args, tp)
     model.eval()
     logger.info("model loaded in %.2fs (%s, %s)", time.perf_counter() - start, dtype, device)
     return model
@@ -78,7 +88,7 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.empty(param.shape).uniform_(-0.02, 0.02, generator=gen)
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):  # every RMSNorm (Qwen3's q_norm/k_norm too): ones
             values = torch.ones(param.shape)
         param.data.copy_(values)
 
@@ -94,7 +104,9 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, args: LlamaArgs) -> None:
+def _load_safetensors(
+    model: LlamaForCausalLM, model_dir: Path, args: LlamaArgs, tp: TensorParallel | None
+) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _checkpoint_files(model_dir)
@@ -105,7 +117,11 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: Path, args: LlamaArgs)
                 if target is None:
                     continue
                 name, shard = target
-                _copy_into(params[name], f.get_tensor(hf_name), name, shard, args)
+                if tp is None:
+                    tensor = f.get_tensor(hf_name)
+                else:
+                    tensor = _read_shard(f, hf_name, name, shard, args, tp)
+                _copy_into(params[name], tensor, name, shard, args, tp)
                 loaded.add(name if shard is None else f"{name}#{shard}")
     _check_complete(params, loaded, args)
 
@@ -125,13 +141,49 @@ def _map_name(hf_name: str, args: LlamaArgs) -> tuple[str, int | None] | None:
     return name, None
 
 
+def _read_shard(
+    f: Any, hf_name: str, name: str, shard: int | None, a: LlamaArgs, tp: TensorParallel
+) -> torch.Tensor:
+    """This rank's slice of one checkpoint tensor, read without reading the rest."""
+    part = f.get_slice(hf_name)
+    d = a.head_dim
+    if shard is not None and "qkv_proj" in name:
+        if shard == 0:
+            begin, end = tp.split(a.num_heads)
+        else:
+            begin, end = tp.kv_head_range(a.num_kv_heads)
+        return part[begin * d : end * d]
+    if shard is not None:  # gate or up: intermediate rows
+        begin, end = tp.split(a.intermediate_size)
+        return part[begin:end]
+    if name.endswith("o_proj.weight"):
+        begin, end = tp.split(a.num_heads)
+        return part[:, begin * d : end * d]
+    if name.endswith("down_proj.weight"):
+        begin, end = tp.split(a.intermediate_size)
+        return part[:, begin:end]
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        begin, end = tp.vocab_range(a.vocab_size)
+        rows = part[begin : min(end, a.vocab_size)]
+        pad = rows.new_zeros((end - begin - rows.shape[0], rows.shape[1]))
+        return torch.cat((rows, pad)) if pad.shape[0] else rows
+    return part[:]  # norms, o_proj's bias: whole on every rank
+
+
 def _copy_into(
-    param: torch.Tensor, tensor: torch.Tensor, name: str, shard: int | None, a: LlamaArgs
+    param: torch.Tensor,
+    tensor: torch.Tensor,
+    name: str,
+    shard: int | None,
+    a: LlamaArgs,
+    tp: TensorParallel | None = None,
 ) -> None:
     if shard is None:
         dst = param.data
     else:
-        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        heads, kv_heads = local_heads(a, tp)
+        q, kv = heads * a.head_dim, kv_heads * a.head_dim
+        inter = a.intermediate_size // (tp.size if tp is not None else 1)
         sizes = [q, kv, kv] if "qkv_proj" in name else [inter, inter]
         begin = sum(sizes[:shard])
         dst = param.data[begin : begin + sizes[shard]]

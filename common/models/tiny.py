@@ -1,7 +1,8 @@
 """Built-in tiny random models, generated deterministically on first use.
 
-`tiny-llama` (the default model everywhere) and `tiny-qwen2` let every component, test and
-demo run with no download. On first use a model is written, as an ordinary Hugging Face model
+`tiny-llama` (the default model everywhere), `tiny-qwen2` and `tiny-qwen3` (q/k norms, a
+`head_dim` wider than `hidden_size / heads`) let every component, test and demo run with no
+download. On first use a model is written, as an ordinary Hugging Face model
 directory, into `<cache root>/models/<name>-v1` (cache root: `$PDSERVE_CACHE_DIR`, else
 `~/.cache/pdserve`):
 
@@ -48,13 +49,15 @@ from tokenizers import (
     trainers,
 )
 
-from common.cache_dir import build_once, default_cache_root
+from common.cache_dir import build_once
+from common.models import names
+from common.models.names import is_complete as _is_complete
+from common.models.names import is_tiny_model, tiny_model_dir
 
 logger = logging.getLogger(__name__)
 
-Arch = Literal["llama", "qwen2", "mistral"]
+Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
 
-_VERSION = "v1"  # bump when generation changes: old caches then stay valid for old code
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # Qwen2's split (digits one by one, no leading-space letters glued to punctuation). With NFC
@@ -210,29 +213,48 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         chat_template=_CHATML_TEMPLATE,
         extra_tokens=("<|im_start|>", "<|im_end|>"),
     ),
+    # Qwen3's shape in small: head_dim (64) wider than hidden / heads (32), GQA, no qkv bias
+    "tiny-qwen3": TinyModelSpec(
+        name="tiny-qwen3",
+        arch="qwen3",
+        config=dict(
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            use_sliding_window=False,
+        ),
+        seed=5678,
+        trained_vocab=1400,
+        pretokenizer="qwen2",
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        specials_first=False,
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        unk=None,
+        add_bos=False,
+        chat_template=_CHATML_TEMPLATE,
+        extra_tokens=("<|im_start|>", "<|im_end|>"),
+    ),
 }
-
-
-def is_tiny_model(name: str) -> bool:
-    """True if `name` names a built-in model (e.g. "tiny-llama")."""
-    return name in TINY_MODELS
 
 
 def resolve_model_path(name_or_path: str) -> Path:
     """Map a model argument to a HF model directory.
 
-    A built-in name is generated if needed; an existing directory holding `config.json` is
-    returned as is. Anything else raises ValueError. Never touches the network.
+    A built-in name is generated if needed (in this process); an existing directory holding
+    `config.json` is returned as is. Anything else raises ValueError. Never touches the network.
+    (Torch-free callers use `common.models.names.resolve_model_path`.)
     """
-    if is_tiny_model(name_or_path):
-        return ensure_tiny_model(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    raise ValueError(
-        f"unknown model {name_or_path!r}: not a built-in model "
-        f"({', '.join(TINY_MODELS)}) and not a directory with config.json"
-    )
+    return names.resolve_model_path(name_or_path, generate=ensure_tiny_model)
 
 
 def ensure_tiny_model(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -243,8 +265,7 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike[str] | None = None
     """
     if not is_tiny_model(name):
         raise ValueError(f"{name!r} is not a built-in model ({', '.join(TINY_MODELS)})")
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
-    target = root / "models" / f"{name}-{_VERSION}"
+    target = tiny_model_dir(name, cache_dir)
     if _is_complete(target):
         return target
     logger.info("generating built-in model %s into %s (first use, takes seconds)", name, target)
@@ -252,11 +273,6 @@ def ensure_tiny_model(name: str, cache_dir: str | os.PathLike[str] | None = None
     published = build_once(target, lambda tmp: _generate(TINY_MODELS[name], tmp), _is_complete)
     logger.debug("built-in model %s ready in %.1fs", name, time.perf_counter() - start)
     return published
-
-
-def _is_complete(model_dir: Path) -> bool:
-    # Only whole directories are ever renamed into place, so these files imply the rest.
-    return (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
 
 
 def _generate(spec: TinyModelSpec, out_dir: Path) -> None:
@@ -342,9 +358,14 @@ def _tiny_config_kwargs(spec: TinyModelSpec, tokenizer: Tokenizer) -> dict[str, 
 
 
 def _build_config(arch: Arch, config_kwargs: dict[str, Any], dtype: torch.dtype) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    config_cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+    }[arch]
     config = config_cls(**config_kwargs, torch_dtype=str(dtype).removeprefix("torch."))
     config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
     return config
@@ -378,9 +399,16 @@ def _random_state_dict(config: Any, seed: int) -> dict[str, torch.Tensor]:
 _LINEAR_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "o_proj": 3.0, "down_proj": 3.0}
 
 
+# Qwen3's q/k norms make every head unit-RMS before the dot product, so the projections' gains
+# no longer sharpen attention; the norms' weights do (at ~1 tiny-qwen3 repeats a few tokens).
+_QK_NORM_GAIN = 3.0
+
+
 def _scale_init(
     name: str, param: torch.Tensor, noise: torch.Tensor, embed_std: float, hidden: int
 ) -> torch.Tensor:
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return _QK_NORM_GAIN * (1.0 + 0.1 * noise)
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * noise
     if name.endswith(".bias"):
@@ -474,8 +502,9 @@ def write_hf_checkpoint(
     `eos_token_id` default to those of `tokenizer_from` (a built-in name or a model dir), whose
     tokenizer files are copied. With `shards > 1` weights are split over
     `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Weights for a given
-    (config, seed) are the same whatever `shards` and are stored in `dtype`. For `qwen2`, take
-    the tokenizer from "tiny-qwen2": transformers>=5 imposes Qwen2's pre-tokenizer on it.
+    (config, seed) are the same whatever `shards` and are stored in `dtype`. For `qwen2` and
+    `qwen3`, take the tokenizer from "tiny-qwen2": transformers>=5 imposes Qwen2's pre-tokenizer
+    on them.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,11 @@ class PrefillServiceStub:
                 request_serializer=pdserve__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/pdserve.v1.PrefillService/GetInfo',
+                request_serializer=pdserve__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.NodeInfo.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -74,6 +79,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +102,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve__pb2.LoadReport.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=pdserve__pb2.GetInfoRequest.FromString,
+                    response_serializer=pdserve__pb2.NodeInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +201,33 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/GetInfo',
+            pdserve__pb2.GetInfoRequest.SerializeToString,
+            pdserve__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Loads a prompt's KV cache from the store (recomputing what is missing) and streams tokens.
@@ -211,6 +254,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/pdserve.v1.DecodeService/GetInfo',
+                request_serializer=pdserve__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.NodeInfo.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -236,6 +284,12 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +307,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve__pb2.LoadReport.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=pdserve__pb2.GetInfoRequest.FromString,
+                    response_serializer=pdserve__pb2.NodeInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -337,6 +396,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/GetLoad',
             pdserve__pb2.GetLoadRequest.SerializeToString,
             pdserve__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/GetInfo',
+            pdserve__pb2.GetInfoRequest.SerializeToString,
+            pdserve__pb2.NodeInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from common.cli import build_parser
-from router import health_check
+from launcher import health_check
+from pdserve_cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ("prefill", "decode")
@@ -79,10 +79,10 @@ def test_healthchecks_and_start_order(compose: dict[str, Any]) -> None:
     probe = health_check.build_parser()
     for name in ("router", *NODES):
         test = services[name]["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "router.health_check"]
+        assert test[:4] == ["CMD", "python", "-m", "launcher.health_check"]
         args = probe.parse_args(test[4:])
         if name == "router":
-            assert args.http == "http://127.0.0.1:8000/health"
+            assert args.http == "http://127.0.0.1:8000/ready"  # 503 until it can serve
         else:
             port = shlex.split(" ".join(services[name]["command"]))[-1]
             assert args.grpc == f"127.0.0.1:{port}"
@@ -91,7 +91,7 @@ def test_healthchecks_and_start_order(compose: dict[str, Any]) -> None:
         depends = services[name]["depends_on"]
         assert depends == {
             "redis": {"condition": "service_healthy"},
-            "router": {"condition": "service_healthy"},
+            "router": {"condition": "service_started"},  # ready needs the nodes
         }
         assert services[name]["stop_grace_period"]  # room to drain on SIGTERM
 
@@ -122,5 +122,5 @@ def test_dockerfile_cpu_by_default_cuda_by_build_arg() -> None:
     assert 'ENTRYPOINT ["pdserve"]' in text
     assert "USER pdserve" in text
     packages = ("common", "kernels", "kv_store", "node_frontend", "prefill_node", "decode_node")
-    for package in (*packages, "router", "proto"):
+    for package in (*packages, "router", "launcher", "bench", "proto"):
         assert f"COPY {package} {package}" in text

@@ -130,29 +130,6 @@ def test_eviction_drops_cache_entry():
     kv.check_integrity()
 
 
-def test_fork_shares_blocks_and_copy_on_write_partial_block():
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
-    p = make_request("p", list(range(6)))  # 1 full + 1 partial block
-    kv.allocate_slots(p, 6)
-    p.num_computed_tokens = 6
-    kv.fork("p", "p#1")
-    assert [b.ref_cnt for b in kv.pool.blocks[:2]] == [2, 2]
-    child = make_request("p#1", list(range(6)))
-    child.num_computed_tokens = 6
-    # the child writes token 6 into shared block 1: it gets a private copy first
-    assert kv.allocate_slots(child, 1) == []
-    assert kv.get_block_ids("p#1") == [0, 2]
-    assert kv.take_block_copies() == [(1, 2)]
-    # the parent is now the only holder of block 1 and writes in place
-    assert kv.allocate_slots(p, 1) == []
-    assert kv.take_block_copies() == []
-    assert kv.get_block_ids("p") == [0, 1]
-    kv.free("p")
-    kv.free("p#1")
-    kv.check_integrity()
-    assert kv.num_free_blocks == 8
-
-
 def test_check_integrity_catches_leaks():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     kv.allocate_slots(make_request("a", [1, 2]), 2)

@@ -11,7 +11,7 @@ MAX_NEW = 24
 NUM_PROMPTS = 16
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def reference(request):
     """(model name, prompts, HF model, HF outputs) per built-in model."""
     from common.models.tiny import resolve_model_path

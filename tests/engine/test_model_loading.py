@@ -1,4 +1,5 @@
-"""Real HF checkpoint directories load: sharded safetensors, Mistral, Qwen2 bias, dtypes, dummy."""
+"""Real HF checkpoint directories load: sharded safetensors, Mistral, Qwen2 bias, Qwen3 q/k norms
+(and attention_bias), dtypes, dummy."""
 
 import json
 
@@ -28,6 +29,8 @@ SMALL = dict(
         ("mistral", {"sliding_window": None}, 3),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, 2),
         ("qwen2", {"tie_word_embeddings": True}, 1),
+        # head_dim wider than hidden / heads; attention_bias puts biases on q, k, v and o
+        ("qwen3", {"head_dim": 32, "attention_bias": True, "tie_word_embeddings": True}, 2),
     ],
 )
 def test_sharded_checkpoint_matches_hf(tmp_path, arch, extra, shards):

@@ -3,7 +3,8 @@
 Overlapped (``async_scheduling``): step N+1 is scheduled and launched before step N's tokens are
 read, so every rule of the scheduler's "scheduling ahead" NOTE is exercised here on CPU: tokens
 still on the device feed the next step, stops drop one row, ``max_tokens`` is not overrun,
-penalties and forks wait for their tokens, preemption with a token in flight.
+penalties wait for their tokens, preemption with a token in flight; ``n = 2`` requests run as
+two samples sharing their prompt through the prefix cache.
 
 Graph-shaped: the CUDA-graph path (padded batch, fixed-address buffers, fixed block-table width)
 run eagerly on CPU (``DecodeGraphs(capture=False)``); on a GPU the same inputs are replayed.

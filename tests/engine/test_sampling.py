@@ -1,5 +1,6 @@
 """Sampler: seeded streams independent of batch composition, filters, penalties, logprobs."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from common import LLM, SamplingParams
 from common.sampler import Sampler, SampleRow, exponential_noise
+from common.sampling_params import child_seed
 
 
 def row(params: SamplingParams, seed=1, position=0, prompt=(), output=(), eos=None) -> SampleRow:
@@ -91,18 +93,41 @@ def test_seeded_sampling_independent_of_batch(llm):
     llm.check_integrity()
 
 
-def test_n_samples_share_prompt_and_differ(llm):
+def test_n_samples_differ_and_are_reproducible(llm):
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
     out = llm.generate([[5] * 21], params, use_tqdm=False)[0]
     samples = [o.token_ids for o in out.outputs]
     assert len(samples) == 4 and all(len(s) == 12 for s in samples)
     assert len({tuple(s) for s in samples}) > 1
-    single = SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
-    assert llm.generate([[5] * 21], single, use_tqdm=False)[0].outputs[0].token_ids == samples[0]
+    for i, tokens in enumerate(samples):  # sample i is the request seeded child_seed(7, i)
+        single = dataclasses.replace(params, n=1, seed=child_seed(7, i))
+        assert llm.generate([[5] * 21], single, use_tqdm=False)[0].outputs[0].token_ids == tokens
+    assert child_seed(7, 0) == 7  # sample 0 samples what the request with n == 1 samples
     again = llm.generate([[5] * 21], params, use_tqdm=False)[0]
-    assert [o.token_ids for o in again.outputs] == samples  # reproducible
+    assert [o.token_ids for o in again.outputs] == samples
     llm.check_integrity()
     assert llm.engine.num_free_blocks() == llm.engine.runner.num_blocks
+
+
+def test_n_greedy_samples_are_the_greedy_output(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = llm.generate([[9, 8, 7, 6]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    greedy.n = 3
+    out = llm.generate([[9, 8, 7, 6]], greedy, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in out.outputs] == [want] * 3
+
+
+def test_n_samples_compute_their_prompt_once(llm):
+    """An n=4 request computes about one prompt, not four: the siblings of the first sample hit
+    its full prompt blocks and compute only the last partial one (block size 16)."""
+    prompt = list(range(300, 370))  # 70 tokens: 4 full blocks + 6, chunked by a budget of 64
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=1, seed=3)
+    before = llm.engine.scheduler.num_scheduled_tokens
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert llm.engine.scheduler.num_scheduled_tokens - before == 70 + 3 * 6
+    assert out.num_cached_tokens == 0  # sample 0's: nothing was cached before it
+    llm.check_integrity()
 
 
 def test_stop_strings_and_stop_tokens(llm):

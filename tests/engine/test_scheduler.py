@@ -4,7 +4,7 @@ from common.config import SchedulerConfig
 from common.kv_cache_manager import KVCacheManager
 from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams
-from common.scheduler import SampledTokens, Scheduler, SchedulerOutput
+from common.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 BS = 4
 
@@ -35,11 +35,7 @@ def make_request(rid, n_prompt, max_tokens=4, priority=0, arrival=0.0, first=0):
 
 def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7):
     """A runner that 'samples' ``token`` for every row that needs one."""
-    sampled = {
-        s.request.request_id: SampledTokens([token] * s.num_samples)
-        for s in out.scheduled
-        if s.num_samples
-    }
+    sampled = {s.request.request_id: SampledToken(token) for s in out.scheduled if s.samples}
     return sched.update_from_output(out, sampled)
 
 
@@ -57,11 +53,11 @@ def test_budget_and_chunked_prefill_mixed_with_decodes():
     fake_run(sched, out)
     out = sched.schedule()
     assert plan(out) == {"a": 1, "b": 15}  # a decodes (running first), b continues its prompt
-    assert [s.num_samples for s in out.scheduled] == [1, 0]
+    assert [s.samples for s in out.scheduled] == [True, False]
     fake_run(sched, out)
     out = sched.schedule()
     assert plan(out) == {"a": 1, "b": 5}  # b's last chunk yields its first token
-    assert [s.num_samples for s in out.scheduled] == [1, 1]
+    assert [s.samples for s in out.scheduled] == [True, True]
 
 
 def test_no_chunking_waits_for_budget():
@@ -150,24 +146,46 @@ def test_abort_in_every_state_frees_blocks():
     assert sched.schedule().is_empty
 
 
-def test_fork_n_samples_share_prompt_blocks():
+def test_n_samples_arriving_together_compute_the_prompt_once():
+    """The samples of an ``n > 1`` request (split before the engine) prefill once: the first
+    computes the prompt, its siblings hit its full blocks in the same step and compute only the
+    last partial block."""
     sched = make_scheduler(budget=64)
-    parent = make_request("p", 6, max_tokens=3)
-    kids = [make_request(f"p#{i}", 6, max_tokens=3) for i in (1, 2)]
-    sched.add_request(parent, kids)
+    for i in range(4):
+        sched.add_request(make_request(f"p#{i}", 10, max_tokens=3))  # 2 full blocks + 2 tokens
     out = sched.schedule()
-    assert out.scheduled[0].num_samples == 3
-    sampled = {"p": SampledTokens([1, 2, 3])}
-    outs = sched.update_from_output(out, sampled)
-    assert [(o.request_id, o.new_token_ids) for o in outs] == [
-        ("p", [1]),
-        ("p#1", [2]),
-        ("p#2", [3]),
+    assert plan(out) == {"p#0": 10, "p#1": 2, "p#2": 2, "p#3": 2}
+    first = sched.kv.get_block_ids("p#0")
+    assert first == [0, 1, 2]
+    assert [sched.kv.get_block_ids(f"p#{i}") for i in (1, 2, 3)] == [
+        [0, 1, 3],
+        [0, 1, 4],
+        [0, 1, 5],
     ]
-    assert [b.ref_cnt for b in sched.kv.pool.blocks[:2]] == [3, 3]
-    out = sched.schedule()  # all three write into the shared partial block: two copies
-    assert len(out.block_copies) == 2
-    sched.check_integrity()
+    assert [sched.kv.pool.blocks[b].ref_cnt for b in first] == [4, 4, 1]
+    assert sched.kv.num_free_blocks == 64 - 6  # one prompt's 3 blocks + one partial block each
+    while sched.has_unfinished():
+        fake_run(sched, out)
+        sched.check_integrity()
+        out = sched.schedule()
+    assert sched.kv.num_free_blocks == 64
+
+
+def test_n_samples_wait_for_a_chunked_prompt():
+    """A prompt over the budget is chunked by the first sample; running requests go first, so
+    its siblings are admitted only with its last chunk, and hit every full block of it."""
+    sched = make_scheduler(budget=16)
+    for i in range(3):
+        sched.add_request(make_request(f"p#{i}", 30, max_tokens=2))  # 7 full blocks + 2 tokens
+    out = sched.schedule()
+    assert plan(out) == {"p#0": 16}
+    fake_run(sched, out)
+    out = sched.schedule()
+    assert plan(out) == {"p#0": 14, "p#1": 2}  # p#1 hits 28 tokens
+    fake_run(sched, out)
+    out = sched.schedule()
+    assert plan(out) == {"p#0": 1, "p#1": 1, "p#2": 2}
+    assert sched.num_scheduled_tokens == 30 + 2 + 2 + 2  # the prompt once, + decodes
     while sched.has_unfinished():
         fake_run(sched, out)
         out = sched.schedule()

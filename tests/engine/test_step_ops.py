@@ -35,12 +35,13 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def model_with_layers(tmp_path: Path, num_layers: int) -> str:
-    tiny = resolve_model_path("tiny-llama")
-    out = tmp_path / f"tiny-llama-{num_layers}l"
+def model_with_layers(tmp_path: Path, num_layers: int, model: str = "tiny-llama") -> str:
+    tiny = resolve_model_path(model)
+    out = tmp_path / f"{model}-{num_layers}l"
     shutil.copytree(tiny, out, ignore=shutil.ignore_patterns("*.safetensors*"))
     config = json.loads((out / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
+    config.pop("layer_types", None)  # Qwen3 lists one per layer; the default is all full
     (out / "config.json").write_text(json.dumps(config))
     return str(out)
 
@@ -91,3 +92,26 @@ def test_ops_per_layer_overlapped_loop(tmp_path):
         n: decode_step_ops(model_with_layers(tmp_path, n), async_scheduling=True) for n in (2, 6)
     }
     assert sum(per_layer(ops).values()) // 4 <= MAX_OPS_PER_LAYER
+
+
+def test_qwen3_ops_per_layer(tmp_path):
+    """Qwen3's q/k norms add five kernels per layer (two head-row copies, two norms, one cat),
+    and no host sync."""
+    ops = {n: decode_step_ops(model_with_layers(tmp_path, n, "tiny-qwen3")) for n in (2, 6)}
+    diff = per_layer(ops)
+    assert sum(diff.values()) // 4 <= MAX_OPS_PER_LAYER + 6, dict(diff)
+    assert diff["pdserve.rms_norm"] == 2 * 4  # q_norm and k_norm in each of the 4 extra layers
+    assert not any(diff[op] for op in SYNC_OPS), dict(diff)
+
+
+def test_tp1_is_the_single_device_step(tmp_path):
+    """``tensor_parallel_size=1`` is the single-device engine: no worker process, no collective
+    in the step, and the op and sync counts of the default engine, op for op."""
+    import multiprocessing
+
+    model = model_with_layers(tmp_path, 2)
+    default = decode_step_ops(model)
+    explicit = decode_step_ops(model, tensor_parallel_size=1)
+    assert explicit == default
+    assert not any(op.startswith("c10d") for op in explicit), dict(explicit)
+    assert not multiprocessing.active_children()

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from common import LLM, SamplingParams
 
 
@@ -23,16 +25,18 @@ def test_triton_backend_matches_torch_backend_end_to_end():
     triton_llm.check_integrity()
 
 
-def test_graph_shaped_decode_with_the_triton_kernels():
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_graph_shaped_decode_with_the_triton_kernels(model):
     """What a CUDA graph replays, run on CPU under the interpreter: Triton decode attention over
     the fixed-address input buffers, the batch padded to a captured size (rows of seq len 0,
-    slot -1), the block table at the graph's fixed width, overlapped with the next schedule."""
+    slot -1), the block table at the graph's fixed width, overlapped with the next schedule.
+    tiny-qwen3: the q/k norms (Triton rms_norm over head rows) inside the graph, head_dim 64."""
     from common.cuda_graphs import DecodeGraphs
 
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 20, 33)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    args = dict(model="tiny-llama", max_num_batched_tokens=64, num_blocks=64, max_model_len=256)
+    args = dict(model=model, max_num_batched_tokens=64, num_blocks=64, max_model_len=256)
     eager = LLM(attention_backend="triton", **args)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     shaped = LLM(attention_backend="triton", async_scheduling=True, **args)

@@ -12,6 +12,7 @@ import torch
 from common.config import EngineConfig
 from common.engine import EngineCore
 from common.sampling_params import SamplingParams
+from kv_store.connector import create_store_connector
 from kv_store.entry import make_key
 
 BS = 16
@@ -38,9 +39,11 @@ def params(max_tokens: int, greedy: bool) -> SamplingParams:
 
 
 def run(engine: EngineCore, requests) -> dict[str, dict]:
-    """Run (request_id, prompt, params, output_token_ids) to completion."""
-    for rid, prompt, p, outs in requests:
-        engine.add_request(rid, prompt, p, output_token_ids=outs)
+    """Run (request_id, prompt, params, output_token_ids[, kv_handle]) to completion."""
+    for rid, prompt, p, outs, *handle in requests:
+        engine.add_request(
+            rid, prompt, p, output_token_ids=outs, kv_handle=next(iter(handle), None)
+        )
     res = {r[0]: {"tokens": [], "handle": None, "loaded": 0} for r in requests}
     while engine.has_unfinished():
         for out in engine.step():
@@ -53,7 +56,8 @@ def run(engine: EngineCore, requests) -> dict[str, dict]:
 
 
 def engine(url: str | None = None, role: str | None = None) -> EngineCore:
-    return EngineCore(EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role=role))
+    config = EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role=role)
+    return EngineCore(config, create_store_connector if url else None)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +65,10 @@ def colocated():
     return engine()
 
 
-def disaggregated(url, ps, greedy, corrupt=None, consumer=None):
-    """Producer (max_tokens=1) → optional fault → consumer; returns (full tokens, results)."""
+def disaggregated(url, ps, greedy, corrupt=None, consumer=None, handles=True):
+    """Producer (max_tokens=1) → optional fault → consumer, given the producer's KV handles as a
+    decode node is (``handles=False``: the consumer asks the store what it holds); returns
+    (full tokens, results)."""
     producer = engine(url, "producer")
     first = run(producer, [(str(i), p, params(1, greedy), None) for i, p in enumerate(ps)])
     producer.close()
@@ -71,7 +77,12 @@ def disaggregated(url, ps, greedy, corrupt=None, consumer=None):
     consumer = consumer or engine(url, "consumer")
     rest = run(
         consumer,
-        [(str(i), p, params(12, greedy), first[str(i)]["tokens"]) for i, p in enumerate(ps)],
+        [
+            (str(i), p, params(12, greedy), first[str(i)]["tokens"], first[str(i)]["handle"])
+            if handles
+            else (str(i), p, params(12, greedy), first[str(i)]["tokens"])
+            for i, p in enumerate(ps)
+        ],
     )
     tokens = {k: first[k]["tokens"] + rest[k]["tokens"] for k in first}
     return tokens, first, rest, consumer
@@ -97,10 +108,11 @@ def store_url(request, tmp_path):
     return request.getfixturevalue("redis_server").url
 
 
+@pytest.mark.parametrize("handles", [True, False], ids=["handle", "lookup"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_disaggregated_equals_colocated(store_url, colocated, greedy):
+def test_disaggregated_equals_colocated(store_url, colocated, greedy, handles):
     ps = prompts()
-    tokens, first, rest, consumer = disaggregated(store_url, ps, greedy)
+    tokens, first, rest, consumer = disaggregated(store_url, ps, greedy, handles=handles)
     assert tokens == reference(colocated, ps, greedy)
     # everything but the first token's own KV came from the store, and nothing was recomputed:
     # each request computed only the 11 tokens it sampled after the first
@@ -301,7 +313,7 @@ def test_in_place_load_of_an_aborted_request_stops_before_its_blocks_are_reused(
     producer = engine(url, "producer")
     first = run(producer, [("0", ps[0], params(1, True), None)])
     producer.close()
-    consumer = EngineCore(EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role="consumer"))
+    consumer = engine(url, "consumer")
     worker = consumer.runner.connector
     assert worker.read_in_place
     worker.per_slot = 2  # several reads per request
@@ -315,7 +327,10 @@ def test_in_place_load_of_an_aborted_request_stops_before_its_blocks_are_reused(
         return real_get(keys, *args, **kwargs)
 
     store.get_many_into = slow_get
-    consumer.add_request("0", ps[0], params(4, True), output_token_ids=first["0"]["tokens"])
+    consumer.add_request(
+        "0", ps[0], params(4, True), output_token_ids=first["0"]["tokens"],
+        kv_handle=first["0"]["handle"],
+    )  # fmt: skip
     consumer.step()  # the load starts; the reader sits in its first read
     while not events:
         time.sleep(0.001)
@@ -349,3 +364,99 @@ def test_a_reader_bug_costs_a_recompute_not_a_hang(tmp_path, colocated, monkeypa
     assert tokens == reference(colocated, ps, True)
     assert all(r["loaded"] == 0 for r in rest.values())
     consumer.close()
+
+
+def test_the_scheduling_path_never_waits_for_the_store(tmp_path, colocated):
+    """Existence checks run on the connector's lookup thread (a request without a handle is
+    "not known yet" meanwhile, and others go first); a request with a handle loads what the
+    handle names without any check."""
+    import threading
+
+    url = f"file://{tmp_path}/kv"
+    base = prompts((64,), seed=9)[0]
+    a = engine(url, "both")
+    run(a, [("a", base, params(1, True), None)])
+    a.close()
+    b = engine(url, "both")
+    store, calls = b.connector[0].store, []
+    real_contains = store.contains_many
+
+    def contains(keys):
+        calls.append(threading.current_thread().name)
+        return real_contains(keys)
+
+    store.contains_many = contains
+    longer = base + prompts((20,), seed=10)[0]
+    res = run(b, [("b", longer, params(12, True), None)])
+    assert res["b"]["loaded"] == 64  # the prefix came from the store
+    assert calls and all(name.startswith("kv-lookup") for name in calls), calls
+    b.close()
+    # a decode-side request with the prefill's handle: no existence check at all
+    producer = engine(url, "producer")
+    first = run(producer, [("p", longer, params(1, True), None)])
+    producer.close()
+    consumer = engine(url, "consumer")
+    store, calls = consumer.connector[0].store, []
+    store.contains_many = lambda keys: calls.append(keys) or [True] * len(keys)
+    consumer.add_request(
+        "p", longer, params(12, True), output_token_ids=first["p"]["tokens"],
+        kv_handle=first["p"]["handle"],
+    )  # fmt: skip
+    out = []
+    while consumer.has_unfinished():
+        out += [t for o in consumer.step() for t in o.new_token_ids]
+    assert first["p"]["tokens"] + out == reference(colocated, [longer], True)["0"]
+    assert calls == []
+    assert consumer.runner.connector.num_loaded_blocks == -(-len(longer) // BS)
+    consumer.close()
+
+
+def test_a_handle_of_another_prompt_is_refused(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    ps = prompts((40, 40), seed=12)
+    producer = engine(url, "producer")
+    first = run(producer, [(str(i), p, params(1, True), None) for i, p in enumerate(ps)])
+    producer.close()
+    consumer = engine(url, "consumer")
+    with pytest.raises(ValueError, match="another prompt"):
+        consumer.add_request(
+            "x", ps[0], params(4, True), output_token_ids=first["0"]["tokens"],
+            kv_handle=first["1"]["handle"],
+        )  # fmt: skip
+    assert not consumer.has_unfinished()
+    consumer.close()
+
+
+@pytest.mark.parametrize("handles", [True, False], ids=["handle", "lookup"])
+def test_each_engine_hashes_a_prompt_once(tmp_path, colocated, monkeypatch, handles):
+    """The prompt's block hashes are computed once per request per engine: full blocks by the
+    request (for prefix caching), the final partial block once by the connector, whatever the
+    number of chunks, lookups, loads and saves."""
+    import common.block_hash as block_hash
+
+    counted = {"hash_block": 0, "hash_partial_block": 0}
+
+    def counting(name):
+        real = getattr(block_hash, name)
+
+        def wrapper(*args, **kwargs):
+            counted[name] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in counted:
+        monkeypatch.setattr(block_hash, name, counting(name))
+    ps = [list(range(5, 5 + n)) for n in (37, 21)]  # 2 and 1 full blocks + partial ones
+    tokens, first, *_ = disaggregated(f"file://{tmp_path}", ps, greedy=True, handles=handles)
+    full = sum(len(p) // BS for p in ps)
+    partial = sum(1 for p in ps if len(p) % BS)
+    # Full blocks completed by sampled tokens: the prefix cache hashes those too, once each.
+    grown = sum(
+        (len(p) + len(first[str(i)]["tokens"])) // BS
+        + (len(p) + len(tokens[str(i)])) // BS
+        - 2 * (len(p) // BS)
+        for i, p in enumerate(ps)
+    )
+    assert counted["hash_partial_block"] == 2 * partial  # producer and consumer, once each
+    assert counted["hash_block"] == 2 * full + grown

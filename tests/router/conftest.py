@@ -32,10 +32,11 @@ from tests.services.nodes import ENGINE_FLAGS, NodeProcess
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
 API_KEY = "test-key-123"
-# Small limits so the bad-input tests stay cheap.
+# Small limits so the bad-input tests stay cheap. No --max-model-len: the routers learn the
+# nodes' (ENGINE_FLAGS) from their registrations / GetInfo.
 ROUTER_FLAGS = (
     "--max-body-bytes", "65536", "--max-header-bytes", "8192", "--heartbeat-interval", "0.5",
-    "--heartbeat-timeout", "6", "--max-n", "4", "--max-logprobs", "5", "--max-model-len", "512",
+    "--heartbeat-timeout", "6", "--max-n", "4", "--max-logprobs", "5",
     "--slo", "ttft=60000,tpot=60000",
 )  # fmt: skip
 
@@ -46,7 +47,7 @@ class RouterProcess:
     def __init__(self, workdir: Path, *extra: str) -> None:
         self.log_path = workdir / f"router-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("wb")
-        cmd = [sys.executable, "-m", "common.cli", "router", "--port", "0", "--grpc-port", "0"]
+        cmd = [sys.executable, "-m", "pdserve_cli", "router", "--port", "0", "--grpc-port", "0"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             [*cmd, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True

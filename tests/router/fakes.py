@@ -17,9 +17,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto.convert import node_info_to_proto
+from pdserve_proto.nodes import NodeInfo
 
 FINGERPRINT = "fake-fingerprint"
 EOS = 2
+# What every fake node serves (the tiny model's context: max_position_embeddings).
+INFO = NodeInfo("tiny-llama", FINGERPRINT, block_size=16, max_model_len=4096)
 
 
 def fake_token(seed: int, position: int) -> int:
@@ -31,6 +35,40 @@ def fake_tokens(seed: int, count: int) -> list[int]:
     return [fake_token(seed, i) for i in range(count)]
 
 
+def fake_prompt_logprob(token_id: int) -> float:
+    """The fake model's logprob of a prompt token."""
+    return -0.5 - token_id % 7
+
+
+def fake_logprobs(params: pb.SamplingParams, ids: list[int]) -> list[pb.TokenLogprob]:
+    """Output logprobs when asked for (-1.0 each; top k: ids 3, 4, …)."""
+    if not params.HasField("logprobs"):
+        return []
+    top = list(range(3, 3 + params.logprobs))
+    return [
+        pb.TokenLogprob(token_id=t, logprob=-1.0, top_token_ids=top, top_logprobs=[-2.0] * len(top))
+        for t in ids
+    ]
+
+
+def fake_prompt_logprobs(request: pb.PrefillRequest) -> pb.PromptLogprobs | None:
+    """Prompt logprobs when the request asks for them (top k: ids 3, 4, …)."""
+    params = request.sampling_params
+    if not params.HasField("prompt_logprobs"):
+        return None
+    k = params.prompt_logprobs
+    tokens = [
+        pb.TokenLogprob(
+            token_id=t,
+            logprob=fake_prompt_logprob(t),
+            top_token_ids=range(3, 3 + k),
+            top_logprobs=[-0.25 * (i + 1) for i in range(k)],
+        )
+        for t in request.prompt_token_ids[1:]
+    ]
+    return pb.PromptLogprobs(tokens=tokens)
+
+
 @dataclass
 class Script:
     """What a fake node does; tests mutate it between requests."""
@@ -39,6 +77,8 @@ class Script:
     die_after: int | None = None  # decode: abort with UNAVAILABLE after this many items
     delay_s: float = 0.0  # before the prefill reply / between decode items
     tokens_per_item: int = 1
+    prefill_finish: int = pb.FINISH_REASON_HANDED_OFF  # prefill: a request that goes on
+    finish_at_one: int = pb.FINISH_REASON_LENGTH  # prefill: a request of max_tokens == 1
     seen: list[str] = field(default_factory=list)  # request ids received
     aborted: list[str] = field(default_factory=list)  # Abort() calls
     cancelled: list[str] = field(default_factory=list)  # calls the client cancelled
@@ -74,18 +114,27 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
             raise
         seed = request.sampling_params.seed
         first = fake_token(seed, 0)
-        finish = pb.FINISH_REASON_UNSPECIFIED
-        if _max_tokens(request.sampling_params) == 1:
-            finish = pb.FINISH_REASON_LENGTH
+        scored = fake_prompt_logprobs(request)
+        [first_logprob] = fake_logprobs(request.sampling_params, [first]) or [None]
+        if _max_tokens(request.sampling_params) == 1:  # the first token ends the request
+            return pb.PrefillResponse(
+                request_id=request.request_id,
+                first_token_id=first,
+                first_logprob=first_logprob,
+                finish_reason=self.script.finish_at_one,
+                prompt_logprobs=scored,
+            )
         handle = pb.KVHandle(
             fingerprint=FINGERPRINT, block_size=16, num_tokens=len(request.prompt_token_ids)
         )
         return pb.PrefillResponse(
             request_id=request.request_id,
             first_token_id=first,
+            first_logprob=first_logprob,
             kv_handle=handle,
-            finish_reason=finish,
+            finish_reason=self.script.prefill_finish,
             num_cached_tokens=0,
+            prompt_logprobs=scored,
         )
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
@@ -94,6 +143,9 @@ class FakePrefill(pb_grpc.PrefillServiceServicer):
 
     async def GetLoad(self, request, context) -> pb.LoadReport:
         return pb.LoadReport(role=pb.ROLE_PREFILL, num_total_blocks=10, num_free_blocks=10)
+
+    async def GetInfo(self, request, context) -> pb.NodeInfo:
+        return node_info_to_proto(INFO)
 
 
 class FakeDecode(pb_grpc.DecodeServiceServicer):
@@ -120,6 +172,7 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
                 done = position >= total
                 yield pb.DecodeResponse(
                     token_ids=ids,
+                    logprobs=fake_logprobs(request.sampling_params, ids),
                     finish_reason=pb.FINISH_REASON_LENGTH if done else 0,
                     usage=pb.Usage(completion_tokens=position) if done else None,
                 )
@@ -133,6 +186,9 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
 
     async def GetLoad(self, request, context) -> pb.LoadReport:
         return pb.LoadReport(role=pb.ROLE_DECODE, num_total_blocks=10, num_free_blocks=10)
+
+    async def GetInfo(self, request, context) -> pb.NodeInfo:
+        return node_info_to_proto(INFO)
 
 
 @dataclass

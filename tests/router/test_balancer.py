@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pdserve_proto.nodes import NodeLoad
+
 from common.block_hash import hash_blocks
 from router.balancer import (
     CacheAwarePrefill,
@@ -10,7 +12,7 @@ from router.balancer import (
     RecentBlocks,
     RoundRobin,
 )
-from router.registry import Instance, Load, Role
+from router.registry import Instance, Role
 
 BLOCK = 16
 
@@ -52,7 +54,7 @@ def test_load_outweighs_affinity_when_the_owner_is_hot() -> None:
     owner.inflight, owner.inflight_tokens = 1, 10
     assert policy.choose(pool, prompt(shared + [8] * 200)) is owner
     # ...and less than 5000 queued prompt tokens there.
-    owner.load = Load(num_waiting=20, queued_prompt_tokens=5000)
+    owner.load = NodeLoad(num_waiting=20, queued_prompt_tokens=5000)
     assert policy.choose(pool, prompt([*shared, 7])) is other
     # The dispatch taught the router that `other` now holds the prefix too.
     assert policy.recent(other).matched_blocks(prompt(shared).block_hashes) == 16
@@ -70,9 +72,9 @@ def test_inflight_counts_between_reports_and_ties_rotate() -> None:
 def test_decode_least_load() -> None:
     policy = LeastLoadDecode()
     pool = instances(3, Role.DECODE)
-    pool[0].load = Load(kv_usage=0.9, num_running=2, max_num_seqs=8)
-    pool[1].load = Load(kv_usage=0.1, num_running=6, max_num_seqs=8)
-    pool[2].load = Load(kv_usage=0.2, num_running=1, max_num_seqs=8)
+    pool[0].load = NodeLoad(kv_usage=0.9, num_running=2, max_num_seqs=8)
+    pool[1].load = NodeLoad(kv_usage=0.1, num_running=6, max_num_seqs=8)
+    pool[2].load = NodeLoad(kv_usage=0.2, num_running=1, max_num_seqs=8)
     assert policy.choose(pool, prompt([1])) is pool[2]
     pool[2].inflight = 8  # the router's own streams there, newer than the report
     assert policy.choose(pool, prompt([1])) is pool[1]

@@ -41,3 +41,31 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_invalid_combinations(argv: list[str]) -> None:
     with pytest.raises(ValueError):
         parse(argv)
+
+
+def test_layout_flags_only_check_the_nodes(caplog: pytest.LogCaptureFixture) -> None:
+    """The router takes block size and context from its nodes: by default it sets neither;
+    --block-size is deprecated (a warning) and --max-model-len may not exceed the model's."""
+    from router.server import build_router
+
+    config = parse([])
+    assert (config.block_size, config.max_model_len) == (None, None)
+    with caplog.at_level("WARNING", logger="router.server"):
+        router = build_router(parse(["--block-size", "16", "--max-model-len", "256"]))
+    assert "--block-size is deprecated" in caplog.text
+    assert (router.registry.expected_block_size, router.registry.max_model_len()) == (16, 256)
+    with pytest.raises(ValueError, match="exceeds the model's limit 4096"):
+        build_router(parse(["--max-model-len", "8192"]))
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        parse(["--block-size", "0"])
+
+
+def test_prefill_fallback_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse([]).prefill_fallback is True  # on by default
+    assert parse(["--no-prefill-fallback"]).prefill_fallback is False
+    monkeypatch.setenv("PDSERVE_PREFILL_FALLBACK", "0")
+    assert parse([]).prefill_fallback is False
+    assert parse(["--prefill-fallback"]).prefill_fallback is True
+    assert parse(["--max-json-depth", "8"]).max_json_depth == 8
+    with pytest.raises(ValueError):
+        parse(["--max-json-depth", "0"])

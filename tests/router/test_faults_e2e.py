@@ -125,3 +125,28 @@ def test_decode_node_killed_during_32_streams(cluster: Cluster, offline) -> None
     assert metric(cluster, "pdserve_router_decode_migrations_total") > migrations_before
     cluster.wait_instances(prefill=1, decode=1)
     wait_no_leaks(cluster)
+
+
+def test_last_prefill_node_killed_requests_fall_back(cluster: Cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL the only prefill node mid-prefill: every request completes on the decode node,
+    which prefills locally (``--prefill-fallback``, on by default), with the offline tokens;
+    ``/ready`` stays 200 with no prefill instance."""
+    params = mixed_params(8, max_tokens=6)
+    requests = [to_request(p, s) for p, s in zip(prompts(8, 300, 420, seed=13), params)]
+    (victim,) = [n for n in cluster.prefill if n.proc.poll() is None]
+    got = asyncio.run(run_and_kill(cluster, requests, victim, lambda _: True))
+    check(cluster, offline, requests, params, got)
+    text = httpx.get(f"{cluster.router.base_url}/metrics", timeout=30).text
+    assert 'pdserve_router_prefill_fallbacks_total{reason="prefill_failed"}' in text
+    # Ready throughout: the fallback is a prefill path. Until its heartbeat times out the dead
+    # node may count again between a failed call's cooldown and its expiry: wait for the expiry.
+    deadline = time.monotonic() + 60
+    while True:
+        ready = httpx.get(f"{cluster.router.base_url}/ready", timeout=30)
+        assert ready.status_code == 200, ready.text
+        if ready.json()["instances"] == {"prefill": 0, "decode": 1}:
+            break
+        assert time.monotonic() < deadline, ready.text
+        time.sleep(0.2)
+    cluster.wait_instances(prefill=0, decode=1)
+    wait_no_leaks(cluster)

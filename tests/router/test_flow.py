@@ -10,12 +10,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import sampling_params_from_proto
+from pdserve_proto.nodes import NodeLoad
 
 from common.sampling_params import SamplingParams, child_seed
 from router.errors import RouterError
 from router.flow import Usage
 from router.registry import Role
-from tests.router.fakes import fake_tokens
+from tests.router.fakes import INFO, fake_tokens
 from tests.router.inproc import Harness, running_router
 
 PROMPT = [1, 300, 301, 302, 303]
@@ -90,7 +93,7 @@ def test_prefill_failures_everywhere(fail: str, status: int, code: str | None) -
         tried = sum(len(s.seen) for s in h.scripts("prefill"))
         assert tried == (1 if fail == "invalid" else 2)  # a bad request is not retried
 
-    run(test)
+    run(test, prefill_fallback=False)  # with it, "unavailable" falls back (test_fallback.py)
 
 
 def test_no_instances_is_503() -> None:
@@ -103,8 +106,78 @@ def test_no_instances_is_503() -> None:
         )
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "no_healthy_instance"
+        # No node has said how long its context is: nor can the router.
+        card = (await h.http.get("/v1/models")).json()["data"][0]
+        assert card["max_model_len"] is None
 
     run(test, num_prefill=0, num_decode=0)
+
+
+@pytest.mark.parametrize("cap", [None, 256])
+def test_the_context_is_the_nodes(cap: int | None) -> None:
+    """/v1/models and the length checks use the registered nodes' max_model_len (capped by the
+    router's --max-model-len when given)."""
+    limit = cap or INFO.max_model_len
+
+    async def test(h: Harness) -> None:
+        card = (await h.http.get("/v1/models")).json()["data"][0]
+        assert card["max_model_len"] == limit
+        body = {"prompt": [5] * limit, "max_tokens": 1}
+        response = await h.http.post("/v1/completions", json=body)
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert f"max_model_len) is {limit} tokens" in error["message"]
+        body = {"prompt": [5] * (limit - 2), "max_tokens": 2}
+        assert (await h.http.post("/v1/completions", json=body)).status_code == 200
+
+    run(test, max_model_len=cap)
+
+
+def test_prefill_hand_off_is_explicit() -> None:
+    """A prefill reply says what happens next: HANDED_OFF goes on to a decode node; a finish
+    at the first token (the request's own) ends it there; a reply that says neither is a node
+    failure, retried on another prefill node."""
+
+    async def test(h: Harness) -> None:
+        tokens, _, usage = await generate(h, seed=2, max_tokens=1)
+        assert tokens == {0: fake_tokens(2, 1)} and usage.completion_tokens == 1
+        for script in h.scripts("prefill"):
+            script.prefill_finish = pb.FINISH_REASON_STOP  # EOS as the first token
+        tokens, _, _ = await generate(h, seed=3, max_tokens=5)
+        assert tokens == {0: fake_tokens(3, 1)}
+        assert not any(s.seen for s in h.scripts("decode"))
+        for script in h.scripts("prefill"):
+            script.prefill_finish = pb.FINISH_REASON_HANDED_OFF
+        odd = h.prefill[0].script
+        odd.prefill_finish, odd.seen = pb.FINISH_REASON_UNSPECIFIED, []
+        busy = h.router.registry.get("prefill-1")
+        busy.load = NodeLoad(queued_prompt_tokens=10_000)  # so prefill-0 is asked first
+        tokens, _, usage = await generate(h, seed=4, max_tokens=5)
+        assert tokens == {0: fake_tokens(4, 5)}
+        assert usage.retries == len(odd.seen) == 1
+
+    run(test)
+
+
+def test_the_router_holds_the_floats_the_nodes_read() -> None:
+    """HTTP floats (float64 in JSON) are rounded once, as the wire rounds them: the router's
+    spec and the node's engine hold the same values; a non-finite one is a 400."""
+
+    async def test(h: Harness) -> None:
+        body = {"prompt": [1, 300], "max_tokens": 2, "temperature": 0.123456789, "top_p": 0.3}
+        assert (await h.http.post("/v1/completions", json=body)).status_code == 200
+        [sent] = [r for s in h.scripts("prefill") for r in s.requests]
+        node = sampling_params_from_proto(sent.sampling_params)
+        spec = h.router.core.prepare([1, 300], SamplingParams(temperature=0.123456789, top_p=0.3))
+        assert (spec.params.temperature, spec.params.top_p) == (node.temperature, node.top_p)
+        assert (node.temperature, node.top_p) == (0.12345679, 0.3)
+        for bad in (float("nan"), float("inf"), 1e39):
+            with pytest.raises(RouterError) as info:
+                h.router.core.prepare([1, 300], SamplingParams(temperature=bad))
+            assert info.value.status == 400
+
+    run(test)
 
 
 @pytest.mark.parametrize("tokens_per_item", [1, 3])
@@ -213,9 +286,15 @@ def test_metrics_and_slo_after_requests() -> None:
         assert report["num_completed"] == 1 and report["slo"]["ttft_ms"] == 1000.0
         assert report["attainment"]["ttft"] == 1.0
         health = (await h.http.get("/health")).json()
-        assert health == {"status": "ok", "ready": True, "instances": {"prefill": 2, "decode": 2}}
+        instances = {"prefill": 2, "decode": 2}
+        assert health == {
+            "status": "ok",
+            "ready": True,
+            "instances": instances,
+            "prefill_fallback": True,
+        }
 
-    from router.slo import SLOConfig
+    from bench.slo import SLOConfig
 
     run(test, slo=SLOConfig(ttft_ms=1000.0))
 
@@ -229,7 +308,8 @@ def test_static_instances_are_polled() -> None:
             registry.deregister(instance.instance_id)
         static = registry.add_static(Role.DECODE, h.decode[0].address)
         await poll_static(registry, h.router.clients, timeout_s=5.0)
-        assert static.healthy
+        assert static.healthy and static.info == INFO  # asked once what it serves
+        assert registry.max_model_len() == INFO.max_model_len
         await h.decode[0].stop()
         await poll_static(registry, h.router.clients, timeout_s=2.0)
         assert not static.healthy and registry.candidates(Role.DECODE) == []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import ipaddress
+import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,14 @@ import grpc
 import pytest
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto.convert import (
+    generate_params_from_proto,
+    node_info_to_proto,
+    sampling_params_from_proto,
+    wire_rounded,
+)
 
-from tests.router.fakes import fake_tokens
+from tests.router.fakes import FINGERPRINT, INFO, fake_tokens
 from tests.router.inproc import Harness, running_router
 
 
@@ -119,7 +127,7 @@ def test_register_heartbeat_deregister_over_grpc() -> None:
             stub = pb_grpc.RouterServiceStub(channel)
             request = pb.RegisterRequest(
                 instance_id="new-d", role=pb.ROLE_DECODE, address="127.0.0.1:1",
-                model="tiny-llama", fingerprint="fp", load=pb.LoadReport(num_running=2),
+                info=node_info_to_proto(INFO), load=pb.LoadReport(num_running=2),
             )  # fmt: skip
             reply = await stub.Register(request)
             assert reply.heartbeat_interval_s == h.router.registry.heartbeat_interval_s
@@ -129,12 +137,67 @@ def test_register_heartbeat_deregister_over_grpc() -> None:
             assert h.router.registry.get("new-d").load.num_running == 5
             assert (await stub.Deregister(pb.DeregisterRequest(instance_id="new-d"))).known
             assert not (await stub.Heartbeat(beat)).known
+            other = node_info_to_proto(dataclasses.replace(INFO, model="other"))
             wrong = pb.RegisterRequest(
-                instance_id="x", role=pb.ROLE_PREFILL, address="h:2", model="other"
+                instance_id="x", role=pb.ROLE_PREFILL, address="h:2", info=other
             )
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Register(wrong)
-            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            bare = pb.RegisterRequest(instance_id="y", role=pb.ROLE_PREFILL, address="h:3")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Register(bare)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "fingerprint" in refused.value.details()
+
+    run(test)
+
+
+def test_a_node_of_another_kv_layout_is_refused_and_the_router_keeps_serving() -> None:
+    async def test(h: Harness) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{h.grpc_port}") as channel:
+            stub = pb_grpc.RouterServiceStub(channel)
+            foreign = dataclasses.replace(INFO, fingerprint="other-fp")
+            request = pb.RegisterRequest(
+                instance_id="foreign-d", role=pb.ROLE_DECODE, address="127.0.0.1:1",
+                info=node_info_to_proto(foreign),
+            )  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Register(request)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "'other-fp'" in refused.value.details()  # both fingerprints, named
+            assert f"{FINGERPRINT!r}" in refused.value.details()
+            assert h.router.registry.get("foreign-d") is None
+            assert len(h.router.registry.instances()) == 4
+            items = await collect(stub, generate_request(max_tokens=3, seed=5))
+            assert [t for i in items for t in i.token_ids] == fake_tokens(5, 3)
+
+    run(test)
+
+
+def test_router_and_node_read_the_same_floats() -> None:
+    """A GenerateRequest's float parameters reach the node's engine bit for bit as the router
+    holds them: one conversion, one rounding rule."""
+
+    async def test(h: Harness) -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{h.grpc_port}") as channel:
+            stub = pb_grpc.RouterServiceStub(channel)
+            sampling = pb.SamplingParams(
+                temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                presence_penalty=-0.3, frequency_penalty=0.123456789, max_tokens=2, seed=1,
+            )  # fmt: skip
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[1, 300]), sampling_params=sampling
+            )
+            await collect(stub, request)
+        router_params = wire_rounded(generate_params_from_proto(request))
+        [sent] = [r for s in h.scripts("prefill") for r in s.requests]
+        node_params = sampling_params_from_proto(sent.sampling_params)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):  # fmt: skip
+            ours, theirs = getattr(router_params, name), getattr(node_params, name)
+            assert struct.pack("<d", ours) == struct.pack("<d", theirs), name
+        assert (node_params.temperature, node_params.frequency_penalty) == (0.7, 0.12345679)
 
     run(test)
 
@@ -276,7 +339,7 @@ def test_node_registers_with_a_mutual_tls_router(tmp_path: Path) -> None:
     def registration(instance_id: str, credentials: Any) -> RouterRegistration:
         request = pb.RegisterRequest(
             instance_id=instance_id, role=pb.ROLE_DECODE, address="127.0.0.1:1",
-            model="tiny-llama", fingerprint="fp",
+            info=node_info_to_proto(INFO),
         )  # fmt: skip
         return RouterRegistration(
             f"localhost:{h_port[0]}", request, load, credentials=credentials, max_retry_s=0.2

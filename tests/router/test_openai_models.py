@@ -14,6 +14,7 @@ from router.openai_format import (
     ChatFormatter,
     ChoiceResult,
     CompletionFormatter,
+    EchoPrompt,
     sse,
 )
 from router.openai_models import (
@@ -146,26 +147,47 @@ def test_sse_framing() -> None:
 
 def test_completion_chunks_and_usage() -> None:
     fmt = CompletionFormatter(
-        "cmpl-1", "m", 5, FakePrompts(), logprobs=True, include_usage=True, echo_text="P:"
-    )
+        "cmpl-1", "m", 5, FakePrompts(), logprobs=True, include_usage=True,
+        echo=[EchoPrompt("P:", [5, 6])],
+    )  # fmt: skip
     lp = [TokenLogprobs(7, -0.5, [7, 8], [-0.5, -1.0])]
-    first = fmt.chunk(SampleDelta(0, [7], "x", lp))
+    prompt_lp = [None, TokenLogprobs(6, -2.0, [3], [-0.1])]
+    first = fmt.chunk(SampleDelta(0, [7], "x", lp, prompt_logprobs=prompt_lp))
     assert first["object"] == "text_completion" and first["usage"] is None
     choice = first["choices"][0]
     assert choice["text"] == "P:x" and choice["finish_reason"] is None
-    assert choice["logprobs"] == {
-        "tokens": ["<7>"],
-        "token_logprobs": [-0.5],
-        "top_logprobs": [{"<7>": -0.5, "<8>": -1.0}],
-        "text_offset": [2],
+    assert choice["logprobs"] == {  # the echoed prompt's tokens first, the first without one
+        "tokens": ["<5>", "<6>", "<7>"],
+        "token_logprobs": [None, -2.0, -0.5],
+        "top_logprobs": [None, {"<6>": -2.0, "<3>": -0.1}, {"<7>": -0.5, "<8>": -1.0}],
+        "text_offset": [0, 3, 6],
     }
     last = fmt.chunk(SampleDelta(0, [9], "y", [TokenLogprobs(9, -0.1)], "stop", "END"))
     assert last["choices"][0]["text"] == "y"  # echo only once
-    assert last["choices"][0]["logprobs"]["text_offset"] == [5]
+    assert last["choices"][0]["logprobs"]["text_offset"] == [9]
+    # logprobs=0: top_logprobs holds the chosen token, as vLLM answers
+    assert last["choices"][0]["logprobs"]["top_logprobs"] == [{"<9>": -0.1}]
     assert last["choices"][0]["stop_reason"] == "END"
     usage = fmt.usage_chunk(Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
     assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+
+
+def test_continuous_usage_and_vllm_prompt_logprobs() -> None:
+    fmt = CompletionFormatter(
+        "cmpl-1", "m", 5, FakePrompts(), logprobs=False, include_usage=True,
+        continuous_usage=True, prompt_logprobs=True, n=2,
+    )  # fmt: skip
+    prompt_lp = [None, TokenLogprobs(6, -2.0, [3], [-0.1])]
+    chunk = fmt.chunk(SampleDelta(3, [7], "x", prompt_logprobs=prompt_lp), Usage(4, 1))
+    assert chunk["usage"]["total_tokens"] == 5 and chunk["usage"]["completion_tokens"] == 1
+    assert chunk["choices"][0]["prompt_logprobs"] == [
+        None,
+        {
+            "6": {"logprob": -2.0, "rank": None, "decoded_token": "<6>"},
+            "3": {"logprob": -0.1, "rank": 1, "decoded_token": "<3>"},
+        },
+    ]
 
 
 def test_chat_chunks_open_with_role_and_response_shape() -> None:

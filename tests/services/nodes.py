@@ -1,6 +1,6 @@
 """Test helpers: real node processes, a fake router, and gRPC client calls.
 
-A :class:`NodeProcess` runs ``python -m common.cli prefill|decode --port 0 …`` from the repo
+A :class:`NodeProcess` runs ``python -m pdserve_cli prefill|decode --port 0 …`` from the repo
 root, waits for its ``PDSERVE_READY port=N`` line, and stops it with SIGTERM (then SIGKILL).
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto.convert import sampling_params_to_proto
 
 from common.sampling_params import SamplingParams
-from node_frontend.convert import sampling_params_to_proto
 from node_frontend.server import READY_LINE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ class NodeProcess:
     def __init__(self, kind: str, kv_store: str, workdir: Path, *extra: str) -> None:
         self.kind = kind
         self.log_path = workdir / f"{kind}-{os.getpid()}-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "common.cli", kind, "--port", "0", "--kv-store", kv_store]
+        cmd = [sys.executable, "-m", "pdserve_cli", kind, "--port", "0", "--kv-store", kv_store]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -200,7 +200,7 @@ class Clients:
             request_id=request_id, prompt_token_ids=prompt, sampling_params=params
         )
         flow = Flow(await self.prefill.Prefill(request, timeout=timeout_s))
-        if flow.prefill.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        if flow.prefill.finish_reason != pb.FINISH_REASON_HANDED_OFF:
             return flow
         decode = pb.DecodeRequest(
             request_id=request_id,

@@ -8,9 +8,9 @@ import asyncio
 import grpc
 import pytest
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import sampling_params_to_proto
 
 from common.sampling_params import SamplingParams
-from node_frontend.convert import sampling_params_to_proto
 from tests.services.nodes import Clients, Pair, random_prompts, run, wait_all_free
 
 PROMPT = random_prompts([40], seed=30)[0]
@@ -84,9 +84,9 @@ def _decode_cases(handle: pb.KVHandle, other: pb.KVHandle, first: int) -> dict[s
                 setattr(msg, name, value)
         return msg
 
-    wrong = "KV handle is for another model/prompt"
+    layout = "KV handle is for another model or layout"
     return {
-        "no output tokens": (dict(output_token_ids=[]), "at least the first token"),
+        "no output tokens": (dict(output_token_ids=[]), "first token that came with"),
         "output id over vocab": (dict(output_token_ids=[first, 4096]), "outside the vocabulary"),
         "nothing to generate": (dict(sampling_params=params(max_tokens=1)), "nothing to generate"),
         "too few hashes": (
@@ -95,12 +95,17 @@ def _decode_cases(handle: pb.KVHandle, other: pb.KVHandle, first: int) -> dict[s
         ),
         "short hash": (dict(kv_handle=edited(block_hashes=[b"x"] * 3)), "malformed"),
         "no fingerprint": (dict(kv_handle=edited(fingerprint="")), "malformed"),
-        "other model": (dict(kv_handle=edited(fingerprint="llama-70b-0123456789abcdef")), wrong),
+        "other model": (
+            dict(kv_handle=edited(fingerprint="llama-70b-0123456789abcdef")),
+            layout,
+        ),
         "other block size": (
             dict(kv_handle=edited(block_size=32, block_hashes=[b"y" * 32] * 2)),
-            wrong,
+            layout,
         ),
-        "other prompt": (dict(kv_handle=other), wrong),
+        "other length": (dict(kv_handle=edited(num_tokens=39)), "holds 39 tokens, the prompt 40"),
+        # same length, other tokens: the engine compares the hashes it computes for itself
+        "other prompt": (dict(kv_handle=other), "KV handle names another prompt's KV"),
         "over max_model_len": (dict(prompt_token_ids=[7] * 600, kv_handle=None), "max_model_len"),
     }
 

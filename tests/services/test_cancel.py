@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import sampling_params_to_proto
 
 from common.sampling_params import SamplingParams
-from node_frontend.convert import sampling_params_to_proto
 from tests.services.nodes import Clients, Pair, random_prompts, run, wait_all_free
 
 LONG = 500  # prompt tokens: 16 steps of prefill at --max-num-batched-tokens 32

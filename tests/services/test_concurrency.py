@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto.convert import sampling_params_to_proto
 
 from common.sampling_params import SamplingParams
-from node_frontend.convert import sampling_params_to_proto
 from tests.services.nodes import Clients, Flow, Pair, Reference, random_prompts, run, wait_all_free
 
 NUM_STREAMS = 64

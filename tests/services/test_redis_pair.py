@@ -13,9 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from pdserve_proto.convert import sampling_params_to_proto
 
 from common.sampling_params import SamplingParams
-from node_frontend.convert import sampling_params_to_proto
 from tests.conftest import RedisServer
 from tests.services.conftest import start_pair
 from tests.services.nodes import (
@@ -58,12 +58,14 @@ def test_registers_and_heartbeats(redis_pair: Pair, router: FakeRouter) -> None:
         wait_for(lambda p=prefix: router.count("heartbeat", p) >= 2, what=f"{prefix} heartbeats")
         register = router.last("register", prefix)
         assert register.address == node.address
-        assert register.model == "tiny-llama"
+        # The node's layout, from its engine: the router learns block size and context here.
+        info = register.info
+        assert (info.model, info.block_size, info.max_model_len) == ("tiny-llama", 16, 512)
         assert register.load.num_total_blocks == 512
         assert router.last("heartbeat", prefix).load.max_num_seqs == MAX_NUM_SEQS
     prefill, decode = router.last("register", PREFILL), router.last("register", DECODE)
     assert (prefill.role, decode.role) == (pb.ROLE_PREFILL, pb.ROLE_DECODE)
-    assert prefill.fingerprint and prefill.fingerprint == decode.fingerprint
+    assert prefill.info.fingerprint and prefill.info.fingerprint == decode.info.fingerprint
 
 
 def test_registers_again_when_forgotten(redis_pair: Pair, router: FakeRouter) -> None:

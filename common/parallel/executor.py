@@ -1,0 +1,287 @@
+"""One scheduler, N ranks: rank 0 lives in the engine process (it schedules, prepares the step's
+inputs and samples), ranks 1…N-1 are worker processes that only run the forward pass.
+
+NOTE: the per-step protocol. Rank 0 prepares the step's flat host buffers as on one device
+(``common/step_inputs.py``) and broadcasts them on the gloo control group: a header of eight
+int64s, then the used prefixes of the int64 and int32 buffers. Every rank then runs the same
+forward over its heads (two all-reduces a layer, one for the embedding) and the LM head on the
+rows to sample; rank 0 receives the gathered logits and samples, the others drop theirs. Only
+tensors cross between processes (no pickle on any socket); the workers' start-up arguments are
+plain values handed to ``multiprocessing``'s spawn.
+
+```
+rank 0 (engine)  schedule → prepare → bcast header, int64, int32 → forward → gather → sample
+rank k (worker)               recv header, int64, int32 → adopt → forward → lm_head ┘
+```
+
+TP steps run eagerly and serially (no CUDA graphs, no overlapped scheduling, no KV store yet:
+the engine refuses those combinations at start). A worker that dies fails the next step (its
+exit is checked before each broadcast) or the collective it was in (gloo sees the closed
+connection), with ``TensorParallelError``: never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.config import CacheConfig, RunnerConfig
+from common.model_runner import ModelRunner
+from common.parallel.group import (
+    TensorParallel,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    rendezvous_store,
+)
+from common.scheduler import SchedulerOutput
+from common.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+_STEP, _STOP = 0, 1
+_HEADER = 8  # op, tokens, seqs, row stride, logits rows, max query len, max seq len, unused
+TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the engine cannot go on."""
+
+
+def agree_on_min(tp: TensorParallel, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.control_group)
+    return int(t.item())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the module's parameters (a tied tensor once)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def _gather_weight_bytes(runner: ModelRunner, tp: TensorParallel) -> list[int]:
+    mine = torch.tensor([weight_bytes(runner.model)], dtype=torch.int64)
+    parts = [torch.zeros_like(mine) for _ in range(tp.size)]
+    dist.all_gather(parts, mine, group=tp.control_group)
+    return [int(p.item()) for p in parts]
+
+
+def _cpu_threads(asked: int | None, size: int) -> int:
+    return asked or max(1, (os.cpu_count() or 1) // size)
+
+
+def _rank_device(name: str, rank: int) -> str:
+    """Rank ``k`` runs on ``cuda:k`` (when the engine names cuda) or on the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        return f"cuda:{(device.index or 0) + rank}"
+    return str(device)
+
+
+class ParallelModelRunner(ModelRunner):
+    """Rank 0's runner: the single-device runner plus the step broadcast and the workers."""
+
+    def __init__(self, *args: Any, workers: list[Any], **kwargs: Any) -> None:
+        self.workers = workers
+        self._closed = False
+        super().__init__(*args, **kwargs)
+        assert self.tp is not None
+        self.rank_weight_bytes = _gather_weight_bytes(self, self.tp)
+
+    def execute(self, out: SchedulerOutput):
+        self._check_workers()
+        try:
+            return super().execute(out)
+        except RuntimeError as e:  # a collective failed: most likely a rank is gone
+            for proc in self.workers:  # give a killed rank a moment to be reaped and named
+                proc.join(timeout=2)
+            self._check_workers()
+            raise TensorParallelError(f"tensor-parallel step failed: {e}") from e
+
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        inputs = self.inputs.prepare(out.scheduled, self._prev_rows)
+        assert not inputs.num_fill, "tensor parallelism runs the serial loop"
+        self._broadcast(inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
+        return hidden, inputs
+
+    def _broadcast(self, inputs: StepInputs) -> None:
+        assert self.tp is not None
+        meta = inputs.meta
+        num_seqs, stride = meta.block_tables.shape
+        header = torch.tensor(
+            [
+                _STEP,
+                inputs.input_ids.shape[0],
+                num_seqs,
+                stride,
+                inputs.num_logits_rows,
+                meta.max_query_len,
+                meta.max_seq_len,
+                0,
+            ],
+            dtype=torch.int64,
+        )
+        host64, host32 = self.inputs.last_host
+        o = self.inputs.off
+        group = self.tp.control_group
+        dist.broadcast(header, 0, group=group)
+        dist.broadcast(host64[: o.logits_rows + inputs.num_logits_rows], 0, group=group)
+        dist.broadcast(host32[: o.block_tables + num_seqs * stride], 0, group=group)
+
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self.workers, start=1):
+            if proc.exitcode is not None:
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                )
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.workers]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        assert self.tp is not None
+        alive = all(p.exitcode is None for p in self.workers)
+        if alive:
+            try:
+                stop = torch.zeros(_HEADER, dtype=torch.int64)
+                stop[0] = _STOP
+                dist.broadcast(stop, 0, group=self.tp.control_group)
+            except RuntimeError:
+                alive = False
+        for proc in self.workers:
+            proc.join(timeout=10 if alive else 0.1)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        destroy_tensor_parallel()
+
+
+def start_tensor_parallel(
+    size: int,
+    model_dir: Path,
+    hf_config: dict[str, Any],
+    *,
+    config: RunnerConfig,
+    cache_config: CacheConfig,
+    max_model_len: int,
+    cpu_threads: int | None,
+) -> ParallelModelRunner:
+    """Spawn ranks 1…size-1, join the group as rank 0 and build rank 0's runner."""
+    store = rendezvous_store(0, size, TIMEOUT_S)
+    ctx = mp.get_context("spawn")
+    plain = {
+        "size": size,
+        "port": store.port,
+        "model_dir": str(model_dir),
+        "hf_config": hf_config,
+        "runner": dataclasses.asdict(config),
+        "cache": dataclasses.asdict(cache_config),
+        "max_model_len": max_model_len,
+        "cpu_threads": cpu_threads,
+    }
+    workers = [
+        ctx.Process(target=_worker_main, args=(rank, plain), daemon=True, name=f"tp-rank-{rank}")
+        for rank in range(1, size)
+    ]
+    for proc in workers:
+        proc.start()
+    try:
+        device = torch.device(_rank_device(config.device, 0))
+        if device.type == "cpu":
+            torch.set_num_threads(_cpu_threads(cpu_threads, size))
+        else:
+            torch.cuda.set_device(device)  # NCCL binds each rank to its current device
+        _wait_for_workers(store, workers)
+        tp = init_tensor_parallel(0, size, store, device, TIMEOUT_S)
+        return ParallelModelRunner(
+            model_dir,
+            hf_config,
+            config=dataclasses.replace(config, device=str(device)),
+            cache_config=cache_config,
+            max_model_len=max_model_len,
+            tp=tp,
+            workers=workers,
+        )
+    except BaseException:
+        for proc in workers:
+            proc.kill()
+            proc.join()
+        destroy_tensor_parallel()
+        raise
+
+
+def _wait_for_workers(store: dist.TCPStore, workers: list[Any]) -> None:
+    """Until every worker has reached the store: one that exits first fails the start at once
+    (rather than after the rendezvous timeout)."""
+    keys = [f"joined/{rank}" for rank in range(1, len(workers) + 1)]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not store.check(keys):
+        for rank, proc in enumerate(workers, start=1):
+            if proc.exitcode is not None:
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} exited with code {proc.exitcode} at start"
+                )
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel ranks did not start in {TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
+def _worker_main(rank: int, plain: dict[str, Any]) -> None:
+    """Rank ``rank``: build its shard, then run the forward of every step rank 0 broadcasts."""
+    logging.basicConfig(level=logging.WARNING)
+    size = plain["size"]
+    config = RunnerConfig(**{**plain["runner"], "cuda_graph_sizes": None})
+    device = torch.device(_rank_device(config.device, rank))
+    if device.type == "cpu":
+        torch.set_num_threads(_cpu_threads(plain["cpu_threads"], size))
+    else:
+        torch.cuda.set_device(device)
+    store = rendezvous_store(plain["port"], size, TIMEOUT_S)
+    store.set(f"joined/{rank}", "1")
+    tp = init_tensor_parallel(rank, size, store, device, TIMEOUT_S)
+    try:
+        runner = ModelRunner(
+            Path(plain["model_dir"]),
+            plain["hf_config"],
+            config=dataclasses.replace(config, device=str(device)),
+            cache_config=CacheConfig(**plain["cache"]),
+            max_model_len=plain["max_model_len"],
+            tp=tp,
+        )
+        _gather_weight_bytes(runner, tp)
+        _serve(runner, tp)
+    finally:
+        destroy_tensor_parallel()
+
+
+@torch.inference_mode()
+def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    buffers, o = runner.inputs, runner.inputs.off
+    host64, host32 = buffers.last_host
+    while True:
+        dist.broadcast(header, 0, group=tp.control_group)
+        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, _ = header.tolist()
+        if op == _STOP:
+            return
+        dist.broadcast(host64[: o.logits_rows + rows], 0, group=tp.control_group)
+        dist.broadcast(host32[: o.block_tables + seqs * stride], 0, group=tp.control_group)
+        inputs = buffers.adopt(tokens, seqs, stride, rows, max_query_len, max_seq_len)
+        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
+        if rows:
+            runner.model.lm_head(hidden.index_select(0, inputs.logits_rows))

@@ -1,0 +1,63 @@
+"""Draft-model proposals: a small model that shares the target's tokenizer, run as a nested
+engine in the same process, proposing its greedy tokens (so ``q`` is one-hot and verification is
+the id comparison of ``rejection.py``: seeded output equals non-speculative output).
+
+NOTE: the draft keeps no per-request state between steps. Each round submits every decoding
+request's tokens as a fresh greedy request of ``k`` tokens; the draft engine's own prefix cache
+holds the blocks of the previous round, so a round computes the last partial block and the ``k``
+drafts, batched over all requests like any engine step. Rounds run eagerly (no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+
+from common.config import EngineConfig, ModelConfig
+from common.request import Request
+from common.sampling_params import SamplingParams
+from common.spec_decode.config import SpeculativeConfig
+from common.spec_decode.rejection import wants_drafts
+
+
+class DraftModelProposer:
+    def __init__(self, config: SpeculativeConfig, target: EngineConfig, max_model_len: int):
+        from common.engine import EngineCore  # the nested engine (engine.py imports us)
+
+        assert config.model is not None
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        draft_config = dataclasses.replace(
+            target,
+            model=ModelConfig(config.model, target.model.dtype, max_model_len=max_model_len),
+            kv_store=None,
+            kv_role=None,
+            enforce_eager=True,
+            async_scheduling=False,
+            speculative_config=None,
+        )
+        self.engine = EngineCore(draft_config)
+        self._ids = itertools.count()
+
+    def check_vocab(self, vocab_size: int) -> None:
+        if self.engine.vocab_size != vocab_size:
+            raise ValueError(
+                f"draft model vocabulary {self.engine.vocab_size} differs from the target's"
+                f" {vocab_size}: the draft must share the tokenizer"
+            )
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        asked: dict[str, Request] = {}
+        for request in requests:
+            k = min(wants_drafts(request, self.k), self.max_model_len - request.num_tokens - 1)
+            if k <= 0:
+                continue
+            draft_id = f"draft-{next(self._ids)}"
+            params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
+            self.engine.add_request(draft_id, request.all_token_ids, params)
+            asked[draft_id] = request
+            request.spec_token_ids = []
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                asked[out.request_id].spec_token_ids += out.new_token_ids

@@ -1,0 +1,62 @@
+"""Verification: how many drafts a step keeps; who proposes (the ``Proposer`` interface).
+
+Plain ints (the scheduler's side): the runner already sampled the target at every verified
+position with the request's seeded stream, so with a deterministic proposal (one-hot ``q``),
+rejection sampling reduces to comparing ids — accept draft ``j`` iff it equals the target's sample
+at the position before it, and the first mismatch is the target's own token there (the residual
+``max(0, p - q)`` renormalised is ``p`` without the draft, which is what a draw from ``p`` that
+missed the draft already is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from common.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig
+    from common.spec_decode.config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Iterable[Request]) -> None:
+        """Set ``spec_token_ids`` of the decoding requests among ``requests`` (others: left)."""
+
+
+def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """Length of the run of drafts equal to the target's samples (``len(targets) ==
+    len(drafts) + 1``); the step emits ``targets[: num_accepted + 1]``."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
+def wants_drafts(request: Request, k: int) -> int:
+    """How many drafts are worth proposing for ``request`` now (0: none): it is decoding (only
+    its newest token is uncomputed, nothing in flight) and may emit more than one token.
+    (Under a grammar every verified row gets the mask after the drafts before it:
+    ``common/structured_output.py``.)"""
+    if (
+        request.status != RequestStatus.RUNNING
+        or request.num_output_placeholders
+        or request.num_computed_tokens != request.num_tokens - 1
+    ):
+        return 0
+    return max(0, min(k, request.max_tokens - request.num_output_tokens - 1))
+
+
+def make_proposer(
+    config: SpeculativeConfig | None, engine: EngineConfig, max_model_len: int
+) -> Proposer | None:
+    if config is None:
+        return None
+    if config.method == "ngram":
+        from common.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config)
+    from common.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(config, engine, max_model_len)

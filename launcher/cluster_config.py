@@ -1,0 +1,324 @@
+"""``pdserve up`` flags and the :class:`ClusterConfig` they make.
+
+`up` is configured by its flags only: it scrubs ``PDSERVE_*`` variables from its children and
+passes each setting explicitly (``PDSERVE_*`` variables configure the individual services, as
+compose.yaml does).
+
+Device: ``--device auto`` means CUDA when an NVIDIA device node exists, else CPU. CPU nodes get
+``--cpu-threads 1`` (a node on a shared small machine runs best on one torch thread); GPU nodes
+are spread over ``--gpus`` (``CUDA_VISIBLE_DEVICES`` round-robin), and when several share one
+GPU, ``--kv-cache-gb`` caps each node's KV cache (the engine's default takes 90% of free memory,
+which only one node can do).
+
+Engine and serving flags carry vLLM's names and meanings (``--max-model-len``, ``--block-size``,
+``--dtype``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--gpu-memory-utilization``,
+``--enforce-eager``; ``--served-model-name``, ``--api-key``): the engine ones go to every node,
+the serving ones to the router. ``--node-args`` comes after them, so it can still override any.
+
+Ports: ``--port``/``--grpc-port`` default to 8000/50051, and to free ports with ``--demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from bench.slo import parse_slo
+from router.autoscale.policy import PoolLimits
+
+KV_STORES = ("shm", "file", "redis")
+KV_URL_SCHEMES = (
+    "redis://",
+    "rediss://",
+    "redis+cluster://",
+    "rediss+cluster://",
+    "file://",
+    "shm://",
+)
+
+
+def cuda_present() -> bool:
+    """An NVIDIA device node exists (cheap: no torch import, no CUDA context)."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+# --dtype: vLLM's spellings -> the engine's
+_DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """vLLM's engine flags, as given to `up` (None: the engine's default); every node gets them."""
+
+    max_model_len: int | None = None
+    block_size: int | None = None
+    dtype: str | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+    speculative_config: str | None = None  # vLLM's JSON; the decode nodes use it
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        bs = self.block_size
+        if bs is not None and (bs < 1 or bs & (bs - 1)):
+            raise ValueError(f"--block-size must be a power of two, got {bs}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        util = self.gpu_memory_utilization
+        if util is not None and not (0.0 < util <= 1.0):  # NaN fails this too
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineFlags:
+        names = [f.name for f in fields(cls)]
+        return cls(**{name: getattr(args, name) for name in names})
+
+    def node_argv(self) -> list[str]:
+        """The node flags of the values given (the nodes take vLLM's names too)."""
+        argv: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = "--" + f.name.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value is not None and value is not False:
+                argv += [flag, _DTYPES[value] if f.name == "dtype" else str(value)]
+        return argv
+
+
+def _port(given: int | None, default: int) -> int:
+    if given is not None and not 0 <= given < 65536:
+        raise ValueError(f"ports are in [0, 65536), got {given}")
+    return default if given is None else given
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """What ``pdserve up`` starts. Counts are per pool; with ``autoscale`` they are the
+    initial sizes, clamped into ``[min, max]``."""
+
+    model: str = "tiny-llama"
+    prefill: int = 1
+    decode: int = 1
+    kv_store: str = "shm"  # shm | file | redis | a store URL
+    kv_store_capacity: str = "auto"  # shm/file: the store's size, see store_capacity()
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    grpc_port: int = 50051
+    api_key: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    cpu_threads: int = 1
+    gpus: tuple[str, ...] = ()
+    kv_cache_gb: float | None = None
+    engine: EngineFlags = EngineFlags()
+    autoscale: bool = False
+    prefill_min: int = 1
+    prefill_max: int = 4
+    decode_min: int = 1
+    decode_max: int = 4
+    slo: str = ""
+    demo: bool = False
+    demo_requests: int = 24
+    log_dir: str | None = None
+    redis_maxmemory: str = "1gb"
+    node_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 600.0
+    state_dir: str | None = None  # None: <cache dir>/clusters
+
+    def __post_init__(self) -> None:
+        if not (self.kv_store in KV_STORES or self.kv_store.startswith(KV_URL_SCHEMES)):
+            raise ValueError(
+                f"--kv-store must be shm, file, redis or a store URL ({', '.join(KV_URL_SCHEMES)}"
+                f"…): {self.kv_store!r}"
+            )
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be >= 1")
+        if self.cpu_threads < 1 or self.demo_requests < 1 or self.startup_timeout_s <= 0:
+            raise ValueError("--cpu-threads and --demo-requests must be >= 1, timeouts > 0")
+        if self.autoscale:
+            PoolLimits(self.prefill_min, self.prefill_max)  # validates the bounds
+            PoolLimits(self.decode_min, self.decode_max)
+        parse_slo(self.slo)  # raises ValueError on a bad spec
+        if self.kv_store_capacity != "auto":
+            from kv_store.url import parse_size  # not at import: `up --help` stays quick
+
+            try:
+                parse_size(self.kv_store_capacity)
+            except ValueError as exc:
+                raise ValueError(f"--kv-store-capacity: {exc}") from None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
+        free_ports = args.demo  # a demo runs anywhere: it never needs the well-known ports
+        d = cls()
+        return cls(
+            model=args.model, prefill=args.prefill, decode=args.decode, kv_store=args.kv_store,
+            kv_store_capacity=args.kv_store_capacity, host=args.host,
+            port=_port(args.port, 0 if free_ports else d.port),
+            grpc_port=_port(args.grpc_port, 0 if free_ports else d.grpc_port),
+            api_key=args.api_key, served_model_name=args.served_model_name,
+            engine=EngineFlags.from_args(args), device=args.device, cpu_threads=args.cpu_threads,
+            gpus=tuple(g.strip() for g in (args.gpus or "").split(",") if g.strip()),
+            kv_cache_gb=args.kv_cache_gb, autoscale=args.autoscale,
+            prefill_min=args.prefill_min, prefill_max=args.prefill_max,
+            decode_min=args.decode_min, decode_max=args.decode_max, slo=args.slo,
+            demo=args.demo, demo_requests=args.demo_requests, log_dir=args.log_dir,
+            redis_maxmemory=args.redis_maxmemory, node_args=tuple(shlex.split(args.node_args)),
+            router_args=tuple(shlex.split(args.router_args)),
+            startup_timeout_s=args.startup_timeout, state_dir=args.state_dir,
+        )  # fmt: skip
+
+    def device_name(self) -> str:
+        """The device nodes run on: ``--device``, with ``auto`` resolved."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if cuda_present() else "cpu"
+
+    def max_nodes(self) -> int:
+        if self.autoscale:
+            return self.prefill_max + self.decode_max
+        return self.prefill + self.decode
+
+    def node_argv(self) -> list[str]:
+        """Engine flags every node gets, before the user's ``--node-args``."""
+        device = self.device_name()
+        argv = ["--device", device]
+        if device == "cpu":
+            argv += ["--cpu-threads", str(self.cpu_threads)]
+        sharing = math.ceil(self.max_nodes() / max(1, len(self.gpus)))
+        kv_gb = self.kv_cache_gb
+        if kv_gb is None and device.startswith("cuda") and sharing > 1:
+            kv_gb = 4.0  # several nodes per GPU: bound each one (raise it with --kv-cache-gb)
+        if kv_gb is not None:
+            argv += ["--kv-cache-memory-gb", f"{kv_gb:g}"]
+        return argv + self.engine.node_argv() + list(self.node_args)
+
+    def store_capacity(self) -> str:
+        """The local (shm/file) store's size: ``--kv-store-capacity``, or for ``auto`` twice a
+        node's KV cache: ``2 × --kv-cache-gb``, else 1 GiB on CPU (a CPU node's cache is 0.5 GiB
+        by default) and 4 GiB on GPUs. The shm arena is allocated and mapped up front by every
+        node, so a store far larger than the caches it serves only slows the start (a 4 GiB
+        arena took 12 s of a CPU cluster's start; docs/BENCHMARKS.md)."""
+        if self.kv_store_capacity != "auto":
+            return self.kv_store_capacity
+        if self.kv_cache_gb is not None:
+            return f"{2 * self.kv_cache_gb:g}GiB"
+        return "1GiB" if self.device_name() == "cpu" else "4GiB"
+
+    def router_argv(self) -> list[str]:
+        """Serving flags the router gets (the API key goes through its environment)."""
+        if self.served_model_name:
+            return ["--served-model-name", self.served_model_name]
+        return []
+
+    @property
+    def served_name(self) -> str:
+        """The model name clients ask for."""
+        return self.served_model_name or self.model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``up`` flags."""
+    d = ClusterConfig()
+    a = parser.add_argument
+    a("--model", default=d.model, help="built-in name or HF model directory (default tiny-llama)")
+    a(
+        "--prefill",
+        type=int,
+        default=d.prefill,
+        help="prefill instances (initial, with --autoscale)",
+    )
+    a("--decode", type=int, default=d.decode, help="decode instances (initial, with --autoscale)")
+    a("--kv-store", default=d.kv_store,
+      help="shm (one shared-memory arena, default), file (a file per entry), redis (a private"
+           " redis-server), or a store URL")  # fmt: skip
+    a("--kv-store-capacity", default=d.kv_store_capacity,
+      help="shm/file store size, e.g. 8GiB (default auto: twice a node's KV cache, 1GiB on"
+           " CPU, 4GiB on GPU; at most a quarter of /dev/shm)")  # fmt: skip
+    a("--host", default=d.host, help="router bind address (default 127.0.0.1; nodes stay on it)")
+    a(
+        "--port",
+        type=int,
+        default=None,
+        help=f"router HTTP port (default {d.port}; with --demo a free one; 0: any free port)",
+    )
+    a(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help=f"router gRPC port (default {d.grpc_port}; with --demo a free one; 0: any free port)",
+    )
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router")
+    a("--served-model-name", default=None, help="the model's name in the API (default --model)")
+    add_engine_arguments(parser)
+    a("--device", default=d.device, help="auto, cpu, cuda (default auto)")
+    a("--cpu-threads", type=int, default=d.cpu_threads, help="torch threads per CPU node")
+    a("--gpus", default="", help="GPU ids to spread nodes over, e.g. 0,1,2,3")
+    a("--kv-cache-gb", type=float, default=None, help="KV cache per node (GiB)")
+    a("--autoscale", action="store_true", help="let the router size both pools from load")
+    for pool in ("prefill", "decode"):
+        a(f"--{pool}-min", type=int, default=getattr(d, f"{pool}_min"), help="with --autoscale")
+        a(f"--{pool}-max", type=int, default=getattr(d, f"{pool}_max"), help="with --autoscale")
+    a("--slo", default="", help="SLOs in ms, e.g. ttft=500,tpot=50 (router report, autoscaler)")
+    a("--demo", action="store_true", help="send sample requests and a short load, report, stop")
+    a("--demo-requests", type=int, default=d.demo_requests, help="requests of the demo's load")
+    a("--log-dir", default=None, help="keep every process's log here (default: removed at exit)")
+    a("--redis-maxmemory", default=d.redis_maxmemory, help="--kv-store redis: its maxmemory")
+    a("--node-args", default="", help='more node flags, e.g. "--max-num-seqs 64"')
+    a("--router-args", default="", help='more router flags, e.g. "--scale-down-delay 10"')
+    a("--startup-timeout", type=float, default=d.startup_timeout_s, help="seconds per start")
+    a(
+        "--state-dir",
+        default=None,
+        help="where `up` records its cluster for `pdserve down` (default <cache dir>/clusters)",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags; every node gets the ones given."""
+    g = parser.add_argument_group("engine (every node; vLLM's flags)").add_argument
+    g(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's)",
+    )
+    g("--block-size", type=int, default=None, help="tokens per KV-cache block (default 16)")
+    g(
+        "--dtype",
+        default=None,
+        choices=list(_DTYPES),
+        help="weights and activations (default auto: the checkpoint's)",
+    )
+    g("--max-num-seqs", type=int, default=None, help="requests running at once per node")
+    g("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    g(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="share of GPU memory a node may use (default 0.9)",
+    )
+    g("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    g(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding on the decode nodes, vLLM\'s JSON, e.g. \'{"method": "ngram",'
+        ' "num_speculative_tokens": 3}\'',
+    )

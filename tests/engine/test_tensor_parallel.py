@@ -1,0 +1,163 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks): the same tokens as one device, 1/N of the weights
+per rank, and a dead rank fails the engine instead of hanging it.
+
+Each model starts one TP=2 engine (two processes) for the whole module: start-up dominates.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from common import LLM, SamplingParams
+from common.models.tiny import write_hf_checkpoint
+from common.parallel.executor import TensorParallelError, weight_bytes
+
+ENGINE_ARGS = dict(
+    max_num_batched_tokens=16,  # prompts of 40 tokens prefill in chunks
+    num_blocks=64,
+    block_size=8,
+    enable_prefix_caching=True,
+    cpu_threads=1,
+    max_model_len=256,
+)
+SHARED = list(range(10, 42))  # 32 tokens = 4 blocks of prefix shared by two prompts
+PROMPTS = [
+    [1, 5, 9, 33, 2, 7],
+    [*SHARED, 3, 4, 5, 6, 7, 8, 9, 10],
+    [*SHARED, 50, 51, 52],
+    list(range(100, 140)),
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory):
+    """Llama with 8 query heads over 2 KV heads (GQA 4:1), two safetensors shards."""
+    config = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    out = tmp_path_factory.mktemp("gqa") / "tiny-gqa"
+    return str(write_hf_checkpoint(out, config, "llama", seed=3, shards=2))
+
+
+def run(llm: LLM) -> list[list[int]]:
+    """Greedy (twice: the second pass hits the prefix cache) and seeded sampling."""
+    tokens = []
+    for params in (GREEDY, GREEDY, SEEDED):
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        tokens += [o.outputs[0].token_ids for o in outs]
+    return tokens
+
+
+def _check_model(model: str) -> tuple[LLM, LLM]:
+    single = LLM(model=model, **ENGINE_ARGS)
+    parallel = LLM(model=model, tensor_parallel_size=2, **ENGINE_ARGS)
+    assert run(parallel) == run(single)
+    parallel.check_integrity()
+    return single, parallel
+
+
+def _replicated_bytes(single: LLM) -> int:
+    """Bytes every rank holds whole: norms, o_proj's bias, and K/V projections when there are
+    fewer KV heads than ranks."""
+    model = single.engine.runner.model
+    args = model.args
+    total = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if "norm" in name or name.endswith("o_proj.bias"):
+            total += size
+        elif "qkv_proj" in name and args.num_kv_heads < 2:
+            kv = 2 * args.num_kv_heads * args.head_dim
+            total += size * kv // p.shape[0]
+    return total
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "gqa"])
+def test_tp2_tokens_and_memory(model, gqa_dir):
+    single, parallel = _check_model(gqa_dir if model == "gqa" else model)
+    try:
+        total = weight_bytes(single.engine.runner.model)
+        replicated = _replicated_bytes(single)
+        per_rank = parallel.engine.runner.rank_weight_bytes
+        assert len(per_rank) == 2
+        # each rank: half of what is split, all of what is replicated (vocabularies here divide
+        # evenly, so there is no padding row)
+        assert per_rank == [(total - replicated) // 2 + replicated] * 2, (total, replicated)
+        assert max(per_rank) < 0.6 * total
+    finally:
+        parallel.engine.close()
+
+
+def test_kv_store_refused():
+    with pytest.raises(ValueError, match="KV store with tensor_parallel_size > 1 is not supported"):
+        LLM(model="tiny-llama", tensor_parallel_size=2, kv_store="file:///tmp/pdserve-tp-test")
+
+
+def test_refused_start_stops_the_workers():
+    with pytest.raises(ValueError, match="KV cache has 4 blocks"):
+        LLM(model="tiny-llama", tensor_parallel_size=2, **{**ENGINE_ARGS, "num_blocks": 4})
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("tp-rank")]
+
+
+def test_prompt_logprobs_refused(gqa_dir):
+    """Prompt logprobs score rows outside the sampled ones (a collective the workers would not
+    join): refused by name until they are broadcast too."""
+    llm = LLM(model=gqa_dir, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+        with pytest.raises(ValueError, match="prompt_logprobs with tensor_parallel_size"):
+            llm.engine.add_request("p", [1, 2, 3], params)
+    finally:
+        llm.engine.close()
+
+
+def test_killed_rank_fails_cleanly():
+    llm = LLM(model="tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS)
+    engine = llm.engine
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        engine.add_request("a", list(range(1, 20)), params)
+        engine.step()
+        engine.step()
+        (pid,) = engine.runner.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 1"):
+            for _ in range(200):
+                engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine.close()
+
+
+def test_rank_dying_at_start_fails_fast():
+    """A worker that dies before the group forms fails the start at once, not after the
+    rendezvous timeout."""
+
+    def kill_first_worker() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            children = [p for p in multiprocessing.active_children() if p.name == "tp-rank-1"]
+            if children:
+                os.kill(children[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=kill_first_worker, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited"):
+        LLM(model="tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS)
+    assert time.monotonic() - start < 30

@@ -1,0 +1,39 @@
+"""The router's Prometheus exposition: speculative decoding counters from the decode loads."""
+
+from __future__ import annotations
+
+from pdserve_proto.nodes import NodeLoad
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.slo import LiveSLOStats, parse_slo
+from router.metrics import RouterMetrics
+
+
+def scrape(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
+    text = metrics.exposition().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_speculative_decoding_counters_and_pool_rates() -> None:
+    loads = [
+        ("d0", NodeLoad(spec_num_drafts=10, spec_num_draft_tokens=30, spec_num_accepted_tokens=12)),
+        ("d1", NodeLoad(spec_num_drafts=5, spec_num_draft_tokens=15, spec_num_accepted_tokens=3)),
+    ]
+    metrics = RouterMetrics(dict, LiveSLOStats(parse_slo("")), lambda: loads)
+    got = scrape(metrics)
+    assert got[("pdserve_decode_draft_tokens_total", (("instance", "d0"),))] == 30
+    assert got[("pdserve_decode_accepted_tokens_total", (("instance", "d1"),))] == 3
+    assert got[("pdserve_decode_drafts_total", (("instance", "d1"),))] == 5
+    assert got[("pdserve_decode_spec_acceptance_rate", ())] == 15 / 45
+    assert got[("pdserve_decode_spec_mean_accepted_length", ())] == 1 + 15 / 15
+
+
+def test_no_speculation_reads_zero() -> None:
+    metrics = RouterMetrics(dict, LiveSLOStats(parse_slo("")), lambda: [("d0", NodeLoad())])
+    got = scrape(metrics)
+    assert got[("pdserve_decode_spec_acceptance_rate", ())] == 0
+    assert got[("pdserve_decode_draft_tokens_total", (("instance", "d0"),))] == 0
