@@ -150,8 +150,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
         if size == 1:
             return
-        if self.kv_store is not None:
-            raise ValueError("KV store with tensor_parallel_size > 1 is not supported yet")
         if self.async_scheduling:
             raise ValueError("async_scheduling with tensor_parallel_size > 1 is not supported yet")
         if self.speculative_config is not None:

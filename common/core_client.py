@@ -19,6 +19,7 @@ come back through the one stream, each tagged with its sample's index.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -180,6 +181,13 @@ class OutputStream:
         self._close()
 
 
+def _kill_at_exit(process: multiprocessing.process.BaseProcess) -> None:
+    """Before multiprocessing joins its non-daemonic children at exit: no wait for a core."""
+    if process.is_alive():
+        process.kill()
+        process.join(5.0)
+
+
 class CoreClient:
     """Starts an engine-core process and talks to it. Use from one event loop only."""
 
@@ -234,9 +242,14 @@ class CoreClient:
                 self.connector_factory,
             ),
             name="pdserve-engine-core",
-            daemon=True,
+            # multiprocessing ends a daemonic child at exit, but forbids it children: a core
+            # with tensor-parallel ranks is not one; it is killed at exit below, its ranks die
+            # with it (``common/parent_death.py``)
+            daemon=self.config.tensor_parallel_size == 1,
         )
         self._process.start()
+        if not self._process.daemon:
+            atexit.register(_kill_at_exit, self._process)
         self._ready = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read_loop(), name="core-reader")
         try:

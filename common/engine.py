@@ -139,8 +139,14 @@ class EngineCore:
                 " (kv_store.connector.create_store_connector is the store's)"
             )
         role = self.config.kv_role or "both"
+        runner, exchange = self.runner, None
+        if runner.tp is not None:  # rank 0 of a group: the store reaches every rank through it
+            from common.parallel.executor import ParallelModelRunner
+
+            assert isinstance(runner, ParallelModelRunner)
+            exchange = runner
         sched, worker = factory(
-            self.config.kv_store, role, self.model_dir, self.runner.spec, self.runner.device
+            self.config.kv_store, role, self.model_dir, runner.store_spec, runner.device, exchange
         )
         self.runner.set_connector(worker)
         return sched, worker

@@ -30,27 +30,35 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import msgspec
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from pathlib import Path
 
     import torch
 
     from common.model_runner import KVCacheSpec
+    from common.parallel.block_exchange import BlockExchange
     from common.request import Request
     from common.scheduler import SchedulerOutput
 
-    # (store url, role, model dir, cache layout, device) -> both halves: how an engine is handed
-    # its connector (``kv_store.connector.create_store_connector`` is one); picklable, so an
-    # engine-core process can be spawned with it
-    ConnectorFactory = Callable[
-        [str, str, Path, KVCacheSpec, torch.device],
-        tuple["KVConnectorScheduler", "KVConnectorWorker"],
-    ]
+    class ConnectorFactory(Protocol):
+        """How an engine is handed its connector (``kv_store.connector.create_store_connector``
+        is one); picklable, so an engine-core process can be spawned with it. ``spec``: the
+        store's layout (every KV head); ``exchange``: rank 0's way to the other tensor-parallel
+        ranks' heads, None on one device."""
+
+        def __call__(
+            self,
+            url: str,
+            role: str,
+            model_dir: Path,
+            spec: KVCacheSpec,
+            device: torch.device,
+            exchange: BlockExchange | None = None,
+        ) -> tuple[KVConnectorScheduler, KVConnectorWorker]: ...
 
 
 class KVHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

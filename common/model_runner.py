@@ -168,6 +168,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.spec = KVCacheSpec(a.num_layers, kv_heads, a.head_dim, self.block_size, self.dtype)
+        # what a KV store entry holds: every KV head, whatever the tensor-parallel size
+        self.store_spec = KVCacheSpec(
+            a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype
+        )
         blocks_per_seq = -(-max_model_len // self.block_size)
         self.inputs = InputBuffers(
             BatchLimits(
@@ -239,31 +243,34 @@ class ModelRunner:
         return StepResult(sampled, rows, owners, counts, prompt)
 
     def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        """The model over the step's tokens, inside the connector's per-step calls."""
         connector = self.connector
-        if connector is not None:
-            assert isinstance(out.connector_meta, ConnectorMetadata)
-            connector.bind_connector_metadata(out.connector_meta)
-            connector.start_load_kv(self.kv_cache)
+        if connector is None:
+            return self._run_model(out, hooked=False)
+        assert isinstance(out.connector_meta, ConnectorMetadata)
+        connector.bind_connector_metadata(out.connector_meta)
+        connector.start_load_kv(self.kv_cache)
         try:
-            hooked = connector is not None and connector.layer_work_pending()
-            size = None if hooked or self.graphs is None else self.graphs.size_for(out.scheduled)
-            stride = self.graphs.row_stride if size is not None else None  # type: ignore[union-attr]
-            inputs = self.inputs.prepare(
-                out.scheduled, self._prev_rows, padded_seqs=size, row_stride=stride
-            )
-            if inputs.num_fill:
-                assert self._prev_sampled is not None
-                self.inputs.fill_from(inputs, self._prev_sampled)
-            if size is not None:
-                hidden = self.graphs.replay(size, inputs)  # type: ignore[union-attr]
-            else:
-                inputs.meta.hooks = self.hooks if hooked else None
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
-            if connector is not None:
-                connector.wait_for_save()
+            result = self._run_model(out, hooked=connector.layer_work_pending())
+            connector.wait_for_save()
         finally:
-            if connector is not None:
-                connector.clear_connector_metadata()
+            connector.clear_connector_metadata()
+        return result
+
+    def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
+        """``hooked``: the connector has per-layer work (no graph replay then)."""
+        size = None if hooked or self.graphs is None else self.graphs.size_for(out.scheduled)
+        stride = self.graphs.row_stride if size is not None else None  # type: ignore[union-attr]
+        inputs = self.inputs.prepare(
+            out.scheduled, self._prev_rows, padded_seqs=size, row_stride=stride
+        )
+        if inputs.num_fill:
+            assert self._prev_sampled is not None
+            self.inputs.fill_from(inputs, self._prev_sampled)
+        if size is not None:
+            return self.graphs.replay(size, inputs), inputs  # type: ignore[union-attr]
+        inputs.meta.hooks = self.hooks if hooked else None
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         return hidden, inputs
 
     def start_loads(self, meta: ConnectorMetadata) -> None:

@@ -33,6 +33,7 @@ from common.kv_connector import (
     SaveSpec,
 )
 from common.model_runner import KVCacheSpec
+from common.parallel.block_exchange import BlockExchange
 from common.request import Request
 from common.scheduler import SchedulerOutput
 from kv_store.base import KVStore
@@ -228,9 +229,17 @@ class StoreConnectorScheduler(KVConnectorScheduler):
 
 
 def create_store_connector(
-    url: str, role: str, model_dir: Path, spec: KVCacheSpec, device: torch.device
+    url: str,
+    role: str,
+    model_dir: Path,
+    spec: KVCacheSpec,
+    device: torch.device,
+    exchange: BlockExchange | None = None,
 ) -> tuple[StoreConnectorScheduler, StoreConnectorWorker]:
-    """Both halves of a store connector for ``url`` (``redis://…``, ``rediss://…``, ``file://…``)."""
+    """Both halves of a store connector for ``url`` (``redis://…``, ``rediss://…``, ``file://…``).
+
+    ``spec``: the store's layout (every KV head); ``exchange``: under tensor parallelism, how
+    rank 0 reaches the other ranks' heads."""
     if role not in ROLES:
         raise ValueError(f"kv_role must be one of {ROLES}, got {role!r}")
     fingerprint = kv_fingerprint(model_dir, spec)
@@ -238,4 +247,4 @@ def create_store_connector(
     scheduler_store = open_store(url, fingerprint, payload_bytes=size)
     worker_store = open_store(url, fingerprint, payload_bytes=size)  # a handle per side
     sched = StoreConnectorScheduler(scheduler_store, fingerprint, spec.block_size, role, url)
-    return sched, StoreConnectorWorker(worker_store, spec, device)
+    return sched, StoreConnectorWorker(worker_store, spec, device, exchange=exchange)

@@ -35,6 +35,7 @@ import torch
 
 from common.kv_connector import ConnectorMetadata, KVConnectorWorker, LoadSpec
 from common.model_runner import KVCacheSpec
+from common.parallel.block_exchange import BlockExchange
 from common.sampler import to_device
 from kernels.block_copy import gather_blocks, scatter_blocks
 from kv_store.base import KVStore
@@ -52,6 +53,7 @@ class _SaveGroup(NamedTuple):
     keys: list[str]
     num_tokens: list[int]
     request_ids: list[str]
+    block_list: list[int]
     block_ids: torch.Tensor  # (n,) int64 on the cache's device
     slot: torch.Tensor  # the staging slot it fills
     staged: torch.Tensor  # (L, n, 2, bs, Hkv, D) view of the slot
@@ -93,14 +95,22 @@ class StoreConnectorWorker(KVConnectorWorker):
         staging_slots: int = STAGING_SLOTS,
         slot_bytes: int = STAGING_SLOT_BYTES,
         read_in_place: bool | None = None,
+        exchange: BlockExchange | None = None,
     ) -> None:
+        """``exchange``: this is rank 0 of a tensor-parallel group, whose cache holds only its
+        KV heads; whole blocks (``spec``: every head, the store's layout) move between staging
+        and every rank's heads through it, between steps (``common/parallel/block_exchange.py``)
+        rather than layer by layer."""
         self.store, self.spec, self.device = store, spec, device
         self.on_cuda = device.type == "cuda"
+        self.exchange = exchange
         # CPU: loads read straight into the paged cache; else through staging, landing layer by
-        # layer in the next forward pass (the only way on CUDA; on CPU for tests)
-        self.read_in_place = not self.on_cuda if read_in_place is None else read_in_place
-        if self.read_in_place and self.on_cuda:
-            raise ValueError("a CUDA cache cannot be read into in place")
+        # layer in the next forward pass (the only way on CUDA or with tensor parallelism)
+        if read_in_place is None:
+            read_in_place = not self.on_cuda and exchange is None
+        self.read_in_place = read_in_place
+        if self.read_in_place and (self.on_cuda or exchange is not None):
+            raise ValueError("a CUDA or tensor-parallel cache cannot be read into in place")
         self.per_slot = max(1, slot_bytes // spec.bytes_per_block)
         slot_bytes = self.per_slot * spec.bytes_per_block
         self.save_ring = StagingRing(staging_slots, slot_bytes, pin=self.on_cuda)
@@ -150,6 +160,7 @@ class StoreConnectorWorker(KVConnectorWorker):
                     [key for _, key, _, _ in part],
                     [n for _, _, _, n in part],
                     [rid for rid, _, _, _ in part],
+                    [b for _, _, b, _ in part],
                     to_device([b for _, _, b, _ in part], torch.int64, self.device),
                     slot,
                     layer_major(slot, len(part), self.spec),
@@ -163,6 +174,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._step_saves = []
 
     def layer_work_pending(self) -> bool:
+        if self.exchange is not None:  # its saves and loads move between steps
+            return False
         return bool(self._step_saves or self._landing)
 
     # -- save path -----------------------------------------------------------------------------
@@ -185,7 +198,9 @@ class StoreConnectorWorker(KVConnectorWorker):
         groups, self._step_saves = self._step_saves, []
         for group in groups:
             copied = None
-            if self._save_stream is not None:
+            if self.exchange is not None:
+                copied = self._collect(group)
+            elif self._save_stream is not None:
                 copied = torch.cuda.Event()
                 copied.record(self._save_stream)
             future = self._writer.submit(self._write, group, copied)
@@ -196,6 +211,17 @@ class StoreConnectorWorker(KVConnectorWorker):
                 for future in self._pending_saves.pop(spec.request_id, []):
                     future.result()
                 self._done_saving.add(spec.request_id)
+
+    def _collect(self, group: _SaveGroup) -> torch.cuda.Event | None:
+        """Tensor parallel: every rank's heads of the group's blocks into its staging slot."""
+        assert self.exchange is not None
+        full = self.exchange.collect_blocks(group.block_list)  # (L, n, 2, bs, Hkv, D)
+        group.staged.copy_(full, non_blocking=self.on_cuda)
+        if not self.on_cuda:
+            return None
+        copied = torch.cuda.Event()
+        copied.record()
+        return copied
 
     def _write(self, group: _SaveGroup, copied: torch.cuda.Event | None) -> None:
         """Writer thread: entries not in the store yet are put, one batch; never raises."""
@@ -391,7 +417,13 @@ class StoreConnectorWorker(KVConnectorWorker):
         if self._kv_cache is None:
             self.load_ring.release(item.slot)
             return
-        if self._load_stream is None:
+        if self.exchange is not None:
+            good = [i for i, hit in enumerate(item.ok) if hit]
+            if good:
+                full = item.staged.index_select(1, torch.tensor(good))
+                self.exchange.land_blocks([item.block_ids[i] for i in good], full)
+            self.load_ring.release(item.slot)  # the exchange copied it (synchronously)
+        elif self._load_stream is None:
             for layer in range(self.spec.num_layers):
                 self._scatter_layer(layer, item)
             self.load_ring.release(item.slot)
@@ -444,6 +476,10 @@ class StoreConnectorWorker(KVConnectorWorker):
             self.num_loaded_blocks += good
             self.num_failed_blocks += len(item.ok) - good
             if isinstance(item, _Read):  # read in place (CPU)
+                if item.last:
+                    done.add(item.request_id)
+            elif self.exchange is not None:  # tensor parallel: every part lands now
+                self._land_now(item)
                 if item.last:
                     done.add(item.request_id)
             elif item.last:

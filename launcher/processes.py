@@ -9,7 +9,7 @@ nothing outside the cluster is ever touched.
 
 Every child also dies with the process that started it, however that one dies (SIGKILL
 included): the kernel sends it SIGKILL when its parent exits (``PR_SET_PDEATHSIG``, set between
-fork and exec by :func:`die_with_parent`). What a child started in turn (a node's engine core)
+fork and exec by ``common.parent_death.die_with_parent``). What a child started in turn (a node's engine core)
 watches its own parent; `up`'s reaper (``launcher.reaper``) sweeps whatever is left.
 
 A pdserve service prints ``PDSERVE_READY key=value ...`` on stdout once it serves;
@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from common.parent_death import die_with_parent
 
 READY_PREFIX = "PDSERVE_READY"
 CLUSTER_ENV = "_PDSERVE_CLUSTER"
@@ -62,32 +63,6 @@ def child_env(
     env[CLUSTER_ENV] = marker
     env.update(extra)
     return env
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies (Linux); None
-    where ``prctl`` does not exist.
-
-    Two fine points. The signal follows the *thread* that forked the child, so start children
-    from a thread that lives as long as the process (the event loop's). And the parent may die
-    between fork and ``prctl``: then no signal will ever come, which the child sees as a new
-    parent pid, and it kills itself. Everything is resolved before the fork: the child only
-    calls into libc."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent, sigkill = os.getpid(), int(signal.SIGKILL)
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sigkill)
-
-    return preexec
 
 
 class ManagedProcess:

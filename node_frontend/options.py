@@ -68,7 +68,7 @@ class NodeOptions:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
-    tensor_parallel_size: int | None = None  # > 1 with a KV store: refused by the engine (yet)
+    tensor_parallel_size: int | None = None
     speculative_config: str | None = None  # vLLM's JSON (decode nodes; a prefill makes 1 token)
 
     def __post_init__(self) -> None:

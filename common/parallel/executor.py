@@ -14,8 +14,14 @@ rank 0 (engine)  schedule → prepare → bcast header, int64, int32 → forward
 rank k (worker)               recv header, int64, int32 → adopt → forward → lm_head ┘
 ```
 
-TP steps run eagerly and serially (no CUDA graphs, no overlapped scheduling, no KV store yet:
-the engine refuses those combinations at start). A worker that dies fails the next step (its
+Besides steps, rank 0 sends two KV operations for the store connector (it is the group's only
+store client, ``common/parallel/block_exchange.py``): *land* (blocks fetched from the store into
+every rank's heads) and *collect* (every rank's heads of blocks to save, gathered at rank 0); a
+header with the op and the block count, then the block ids, then the collective. A step's
+collects come between its forward and its LM head; ``_SAVED`` ends them.
+
+TP steps run eagerly and serially (no CUDA graphs, no overlapped scheduling: the engine refuses
+those combinations at start). A worker that dies fails the next step (its
 exit is checked before each broadcast) or the collective it was in (gloo sees the closed
 connection), with ``TensorParallelError``: never a hang.
 """
@@ -28,26 +34,31 @@ import multiprocessing as mp
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from common.config import CacheConfig, RunnerConfig
 from common.model_runner import ModelRunner
+from common.parallel.block_exchange import collect, land
 from common.parallel.group import (
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
     rendezvous_store,
 )
+from common.parent_death import die_with
 from common.scheduler import SchedulerOutput
 from common.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
-_STEP, _STOP = 0, 1
-_HEADER = 8  # op, tokens, seqs, row stride, logits rows, max query len, max seq len, unused
+_STEP, _STOP, _LAND, _COLLECT, _SAVED = 0, 1, 2, 3, 4
+# op, tokens (KV ops: blocks), seqs, row stride, logits rows, max query len, max seq len, and
+# whether the step has a store connector (then its collects, if any, and _SAVED follow the
+# forward: rank 0 saves before it computes logits)
+_HEADER = 8
 TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
 
 
@@ -94,6 +105,7 @@ class ParallelModelRunner(ModelRunner):
     def __init__(self, *args: Any, workers: list[Any], **kwargs: Any) -> None:
         self.workers = workers
         self._closed = False
+        self._saving = False  # this step's forward is followed by the connector's saves
         super().__init__(*args, **kwargs)
         assert self.tp is not None
         self.rank_weight_bytes = _gather_weight_bytes(self, self.tp)
@@ -103,14 +115,60 @@ class ParallelModelRunner(ModelRunner):
         try:
             return super().execute(out)
         except RuntimeError as e:  # a collective failed: most likely a rank is gone
-            for proc in self.workers:  # give a killed rank a moment to be reaped and named
-                proc.join(timeout=2)
-            self._check_workers()
-            raise TensorParallelError(f"tensor-parallel step failed: {e}") from e
+            self._failed(e)
+
+    def _failed(self, error: RuntimeError) -> NoReturn:
+        for proc in self.workers:  # give a killed rank a moment to be reaped and named
+            proc.join(timeout=2)
+        self._check_workers()
+        raise TensorParallelError(f"tensor-parallel step failed: {error}") from error
+
+    # -- the store connector's block exchange (``BlockExchange``) ------------------------------
+    def land_blocks(self, block_ids: list[int], full: torch.Tensor) -> None:
+        try:
+            ids = self._announce(_LAND, block_ids)
+            land(self._group, self.kv_cache, ids, self.store_spec.num_kv_heads, full)
+        except RuntimeError as e:
+            self._failed(e)
+
+    def collect_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        try:
+            ids = self._announce(_COLLECT, block_ids)
+            full = collect(self._group, self.kv_cache, ids, self.store_spec.num_kv_heads)
+        except RuntimeError as e:
+            self._failed(e)
+        assert full is not None
+        return full
+
+    @property
+    def _group(self) -> TensorParallel:
+        assert self.tp is not None
+        return self.tp
+
+    def _announce(self, op: int, block_ids: list[int]) -> torch.Tensor:
+        """Tell the workers which KV operation over which blocks comes next."""
+        self._check_workers()
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = op, len(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        dist.broadcast(header, 0, group=self._group.control_group)
+        dist.broadcast(ids, 0, group=self._group.control_group)
+        return ids.to(self.device)
 
     def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
+        self._saving = False
+        result = super()._forward(out)
+        if self._saving:  # the saves are collected (``wait_for_save``): the workers' LM head
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0] = _SAVED
+            dist.broadcast(header, 0, group=self._group.control_group)
+        return result
+
+    def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
+        assert not hooked, "under tensor parallelism the connector moves KV between steps"
         inputs = self.inputs.prepare(out.scheduled, self._prev_rows)
         assert not inputs.num_fill, "tensor parallelism runs the serial loop"
+        self._saving = self.connector is not None
         self._broadcast(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         return hidden, inputs
@@ -128,7 +186,7 @@ class ParallelModelRunner(ModelRunner):
                 inputs.num_logits_rows,
                 meta.max_query_len,
                 meta.max_seq_len,
-                0,
+                int(self._saving),
             ],
             dtype=torch.int64,
         )
@@ -193,6 +251,7 @@ def start_tensor_parallel(
         "cache": dataclasses.asdict(cache_config),
         "max_model_len": max_model_len,
         "cpu_threads": cpu_threads,
+        "parent": os.getpid(),
     }
     workers = [
         ctx.Process(target=_worker_main, args=(rank, plain), daemon=True, name=f"tp-rank-{rank}")
@@ -243,6 +302,7 @@ def _wait_for_workers(store: dist.TCPStore, workers: list[Any]) -> None:
 
 def _worker_main(rank: int, plain: dict[str, Any]) -> None:
     """Rank ``rank``: build its shard, then run the forward of every step rank 0 broadcasts."""
+    die_with(plain["parent"])  # a rank never outlives its engine (SIGKILL included)
     logging.basicConfig(level=logging.WARNING)
     size = plain["size"]
     config = RunnerConfig(**{**plain["runner"], "cuda_graph_sizes": None})
@@ -276,12 +336,35 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
     host64, host32 = buffers.last_host
     while True:
         dist.broadcast(header, 0, group=tp.control_group)
-        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, _ = header.tolist()
+        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, saving = header.tolist()
         if op == _STOP:
             return
+        if op != _STEP:
+            _kv_op(runner, tp, op, tokens)
+            continue
         dist.broadcast(host64[: o.logits_rows + rows], 0, group=tp.control_group)
         dist.broadcast(host32[: o.block_tables + seqs * stride], 0, group=tp.control_group)
         inputs = buffers.adopt(tokens, seqs, stride, rows, max_query_len, max_seq_len)
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
+        while saving:  # the step's saves, until rank 0 says they are all collected
+            dist.broadcast(header, 0, group=tp.control_group)
+            op, blocks = header[:2].tolist()
+            if op == _SAVED:
+                break
+            _kv_op(runner, tp, op, blocks)
         if rows:
             runner.model.lm_head(hidden.index_select(0, inputs.logits_rows))
+
+
+def _kv_op(runner: ModelRunner, tp: TensorParallel, op: int, num_blocks: int) -> None:
+    """A worker's side of ``land_blocks`` / ``collect_blocks``."""
+    ids = torch.empty(num_blocks, dtype=torch.int64)
+    dist.broadcast(ids, 0, group=tp.control_group)
+    ids = ids.to(runner.device)
+    heads = runner.store_spec.num_kv_heads
+    if op == _LAND:
+        land(tp, runner.kv_cache, ids, heads, None)
+    elif op == _COLLECT:
+        collect(tp, runner.kv_cache, ids, heads)
+    else:
+        raise TensorParallelError(f"unknown tensor-parallel op {op}")

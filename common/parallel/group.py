@@ -35,13 +35,8 @@ class TensorParallel:
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def kv_head_range(self, num_kv_heads: int) -> tuple[int, int]:
-        """This rank's KV heads ``[begin, end)``. With fewer KV heads than ranks each head is
-        replicated on ``size // num_kv_heads`` consecutive ranks (vLLM's rule)."""
-        if num_kv_heads >= self.size:
-            per = num_kv_heads // self.size
-            return self.rank * per, (self.rank + 1) * per
-        head = self.rank * num_kv_heads // self.size
-        return head, head + 1
+        """This rank's KV heads ``[begin, end)`` (see ``kv_head_range``)."""
+        return kv_head_range(self.rank, self.size, num_kv_heads)
 
     def split(self, n: int) -> tuple[int, int]:
         """This rank's ``[begin, end)`` of ``n`` rows split evenly (``n % size == 0``)."""
@@ -53,6 +48,16 @@ class TensorParallel:
         last part may reach past ``vocab_size``: those rows are zeros, their logits dropped)."""
         per = -(-vocab_size // self.size)
         return self.rank * per, (self.rank + 1) * per
+
+
+def kv_head_range(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
+    """Rank ``rank`` of ``size``'s KV heads ``[begin, end)``. With fewer KV heads than ranks
+    each head is replicated on ``size // num_kv_heads`` consecutive ranks (vLLM's rule)."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return rank * per, (rank + 1) * per
+    head = rank * num_kv_heads // size
+    return head, head + 1
 
 
 def check_divisible(size: int, num_heads: int, num_kv_heads: int, intermediate: int) -> None:

@@ -101,11 +101,6 @@ def test_tp2_tokens_and_memory(model, gqa_dir):
         parallel.engine.close()
 
 
-def test_kv_store_refused():
-    with pytest.raises(ValueError, match="KV store with tensor_parallel_size > 1 is not supported"):
-        LLM(model="tiny-llama", tensor_parallel_size=2, kv_store="file:///tmp/pdserve-tp-test")
-
-
 def test_refused_start_stops_the_workers():
     with pytest.raises(ValueError, match="KV cache has 4 blocks"):
         LLM(model="tiny-llama", tensor_parallel_size=2, **{**ENGINE_ARGS, "num_blocks": 4})

@@ -41,11 +41,11 @@ def test_bad_options_are_clear() -> None:
 
 
 def test_tensor_parallel_size_flag() -> None:
-    """``--tensor-parallel-size`` reaches the engine config; a node always has a KV store, which
-    tensor parallelism does not support yet: refused at start, by name."""
+    """``--tensor-parallel-size`` (or ``PDSERVE_TENSOR_PARALLEL_SIZE``) reaches the engine config
+    of a node, whose KV store works at any TP size."""
     options = _parse(["--kv-store", "file:///tmp/x"], {"tensor_parallel_size": "1"})
     assert options.engine_config("both").tensor_parallel_size == 1
     options = _parse(["--kv-store", "file:///tmp/x", "--tensor-parallel-size", "2"], {})
     assert options.tensor_parallel_size == 2
-    with pytest.raises(ValueError, match="KV store with tensor_parallel_size > 1 is not supported"):
-        options.engine_config("both")
+    config = options.engine_config("producer")
+    assert config.tensor_parallel_size == 2 and config.kv_store == "file:///tmp/x"
