@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import httpx
 
+from launcher.gpus import GpuAllocator, check_tp_fits
 from launcher.processes import ManagedProcess, StartupError
 from launcher.supervisor import RestartBudget, RestartPolicy
 from router.autoscale.actuator import ActuatorError
@@ -43,8 +44,9 @@ logger = logging.getLogger(__name__)
 class NodeLaunch:
     """How the local actuator starts a node: ``python -m pdserve_cli prefill|decode`` on
     127.0.0.1, an ephemeral port, registering with ``router``. ``extra_args`` go last (engine
-    flags such as ``--device cpu --cpu-threads 1``). With ``gpus``, nodes get
-    ``CUDA_VISIBLE_DEVICES`` round-robin over them."""
+    flags such as ``--device cpu --cpu-threads 1``). A pool's nodes run at its tensor-parallel
+    size (``prefill_tp``/``decode_tp``); with ``gpus``, each node's ``CUDA_VISIBLE_DEVICES``
+    names that many distinct GPUs, the least used (``launcher/gpus.py``)."""
 
     router: str
     kv_store: str
@@ -56,14 +58,26 @@ class NodeLaunch:
     drain_timeout_s: float = 300.0
     startup_timeout_s: float = 600.0
     python: str = sys.executable
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    def __post_init__(self) -> None:
+        for pool in Pool:
+            check_tp_fits(pool.value, self.tp_size(pool), self.gpus)
+
+    def tp_size(self, pool: Pool) -> int:
+        """The pool's tensor-parallel size: GPUs per node."""
+        return self.prefill_tp if pool is Pool.PREFILL else self.decode_tp
 
     def argv(self, pool: Pool) -> list[str]:
+        tp = self.tp_size(pool)
         return [
             self.python, "-m", "pdserve_cli", pool.value,
             "--host", "127.0.0.1", "--port", "0",
             "--router", self.router, "--kv-store", self.kv_store, "--model", self.model,
             "--drain-timeout", f"{self.drain_timeout_s:g}",
             "--startup-timeout", f"{self.startup_timeout_s:g}",
+            *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -71,8 +85,9 @@ class NodeLaunch:
 class LocalNode:
     """A node child process and, once it printed its ready line, its address."""
 
-    def __init__(self, process: ManagedProcess) -> None:
+    def __init__(self, process: ManagedProcess, gpus: tuple[str, ...] = ()) -> None:
         self.process = process
+        self.gpus = gpus  # what CUDA_VISIBLE_DEVICES names for it
         self.address: str | None = None
         self.stopping = False
 
@@ -108,6 +123,7 @@ class LocalProcessActuator:
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
         self._serial = itertools.count()
+        self.gpus = GpuAllocator(launch.gpus)
 
     def supervise(self, restart: RestartPolicy) -> None:
         """Replace exited nodes from now on (``pdserve up`` starts without, to fail fast)."""
@@ -168,11 +184,16 @@ class LocalProcessActuator:
         serial = next(self._serial)
         name = f"{pool.value}-{serial}"
         env = dict(os.environ if self.launch.env is None else self.launch.env)
-        if self.launch.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = self.launch.gpus[serial % len(self.launch.gpus)]
+        gpus = self.gpus.acquire(self.launch.tp_size(pool))
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         log_path = self.launch.log_dir / f"{name}.log"
-        process = ManagedProcess(name, self.launch.argv(pool), log_path, env)
-        node = LocalNode(process)
+        try:
+            process = ManagedProcess(name, self.launch.argv(pool), log_path, env)
+        except BaseException:
+            self.gpus.release(gpus)
+            raise
+        node = LocalNode(process, gpus)
         self._background(node.watch_start(self.launch.startup_timeout_s))
         logger.info("started %s (pid %d, log %s)", name, process.pid, log_path)
         return node
@@ -182,6 +203,7 @@ class LocalProcessActuator:
         name = node.process.name
         logger.info("stopping %s at %s (draining)", name, node.address or "-")
         code = await node.process.stop(self.launch.drain_timeout_s + 30.0)
+        self.gpus.release(node.gpus)
         logger.info("%s stopped (%s)", name, "killed" if code is None else f"exit {code}")
 
     def _reap(self, pool: Pool) -> None:
@@ -189,6 +211,7 @@ class LocalProcessActuator:
         for node in [n for n in self._nodes[pool] if not n.process.alive]:
             node.process.kill_orphans()
             self._nodes[pool].remove(node)
+            self.gpus.release(node.gpus)
             self._replace(pool, node)
 
     def _replace(self, pool: Pool, node: LocalNode) -> None:

@@ -235,7 +235,8 @@ class Cluster:
             "--decode-initial", str(decode.start),
             "--node-kv-store", self.kv_url, "--node-model", c.model,
             "--node-args", shlex.join(c.node_argv()), "--node-log-dir", str(self.log_dir),
-            "--node-gpus", ",".join(c.gpus), "--node-drain-timeout", "30",
+            "--node-gpus", ",".join(c.gpu_ids()), "--node-drain-timeout", "30",
+            "--prefill-tp", str(c.prefill_tp), "--decode-tp", str(c.decode_tp),
         ]  # fmt: skip
 
     def _limits(self) -> tuple[PoolLimits, PoolLimits]:
@@ -262,7 +263,9 @@ class Cluster:
             model=self.config.model,
             extra_args=tuple(self.config.node_argv()),
             env=self._env(),
-            gpus=self.config.gpus,
+            gpus=self.config.gpu_ids(),
+            prefill_tp=self.config.prefill_tp,
+            decode_tp=self.config.decode_tp,
             drain_timeout_s=30.0,
             startup_timeout_s=self.config.startup_timeout_s,
         )

@@ -5,10 +5,11 @@ passes each setting explicitly (``PDSERVE_*`` variables configure the individual
 compose.yaml does).
 
 Device: ``--device auto`` means CUDA when an NVIDIA device node exists, else CPU. CPU nodes get
-``--cpu-threads 1`` (a node on a shared small machine runs best on one torch thread); GPU nodes
-are spread over ``--gpus`` (``CUDA_VISIBLE_DEVICES`` round-robin), and when several share one
-GPU, ``--kv-cache-gb`` caps each node's KV cache (the engine's default takes 90% of free memory,
-which only one node can do).
+``--cpu-threads 1`` (a node on a shared small machine runs best on one torch thread). GPU nodes
+are spread over ``--gpus`` (default: every GPU found): a node of a pool at ``--prefill-tp`` /
+``--decode-tp`` N gets N distinct GPUs, the least used (``launcher/gpus.py``); when nodes must
+share GPUs, ``--kv-cache-gb`` caps each node's KV cache (the engine's default takes 90% of free
+memory, which only one node can do). With ``--autoscale`` the GPUs are the autoscaler's budget.
 
 Engine and serving flags carry vLLM's names and meanings (``--max-model-len``, ``--block-size``,
 ``--dtype``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--gpu-memory-utilization``,
@@ -27,6 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bench.slo import parse_slo
+from launcher.gpus import check_tp_fits
 from router.autoscale.policy import PoolLimits
 
 KV_STORES = ("shm", "file", "redis")
@@ -42,7 +44,12 @@ KV_URL_SCHEMES = (
 
 def cuda_present() -> bool:
     """An NVIDIA device node exists (cheap: no torch import, no CUDA context)."""
-    return any(Path("/dev").glob("nvidia[0-9]*"))
+    return count_gpus() > 0
+
+
+def count_gpus() -> int:
+    """NVIDIA device nodes (``/dev/nvidiaN``): the GPUs this machine or container shows."""
+    return sum(1 for path in Path("/dev").glob("nvidia[0-9]*") if path.name[6:].isdigit())
 
 
 # --dtype: vLLM's spellings -> the engine's
@@ -125,6 +132,8 @@ class ClusterConfig:
     device: str = "auto"
     cpu_threads: int = 1
     gpus: tuple[str, ...] = ()
+    prefill_tp: int = 1
+    decode_tp: int = 1
     kv_cache_gb: float | None = None
     engine: EngineFlags = EngineFlags()
     autoscale: bool = False
@@ -152,6 +161,8 @@ class ClusterConfig:
             raise ValueError("--prefill and --decode must be >= 1")
         if self.cpu_threads < 1 or self.demo_requests < 1 or self.startup_timeout_s <= 0:
             raise ValueError("--cpu-threads and --demo-requests must be >= 1, timeouts > 0")
+        for pool, size in (("prefill", self.prefill_tp), ("decode", self.decode_tp)):
+            check_tp_fits(pool, size, self.gpu_ids())
         if self.autoscale:
             PoolLimits(self.prefill_min, self.prefill_max)  # validates the bounds
             PoolLimits(self.decode_min, self.decode_max)
@@ -176,6 +187,7 @@ class ClusterConfig:
             api_key=args.api_key, served_model_name=args.served_model_name,
             engine=EngineFlags.from_args(args), device=args.device, cpu_threads=args.cpu_threads,
             gpus=tuple(g.strip() for g in (args.gpus or "").split(",") if g.strip()),
+            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
             kv_cache_gb=args.kv_cache_gb, autoscale=args.autoscale,
             prefill_min=args.prefill_min, prefill_max=args.prefill_max,
             decode_min=args.decode_min, decode_max=args.decode_max, slo=args.slo,
@@ -196,13 +208,25 @@ class ClusterConfig:
             return self.prefill_max + self.decode_max
         return self.prefill + self.decode
 
+    def gpu_ids(self) -> tuple[str, ...]:
+        """``--gpus``, or on CUDA every GPU found (``0…n-1``); none on CPU."""
+        if self.gpus or not self.device_name().startswith("cuda"):
+            return self.gpus
+        return tuple(str(i) for i in range(count_gpus()))
+
+    def max_gpu_slots(self) -> int:
+        """GPUs the nodes take at most (a TP=N node takes N)."""
+        if self.autoscale:
+            return self.prefill_max * self.prefill_tp + self.decode_max * self.decode_tp
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+
     def node_argv(self) -> list[str]:
         """Engine flags every node gets, before the user's ``--node-args``."""
         device = self.device_name()
         argv = ["--device", device]
         if device == "cpu":
             argv += ["--cpu-threads", str(self.cpu_threads)]
-        sharing = math.ceil(self.max_nodes() / max(1, len(self.gpus)))
+        sharing = math.ceil(self.max_gpu_slots() / max(1, len(self.gpu_ids())))
         kv_gb = self.kv_cache_gb
         if kv_gb is None and device.startswith("cuda") and sharing > 1:
             kv_gb = 4.0  # several nodes per GPU: bound each one (raise it with --kv-cache-gb)
@@ -270,7 +294,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     a("--device", default=d.device, help="auto, cpu, cuda (default auto)")
     a("--cpu-threads", type=int, default=d.cpu_threads, help="torch threads per CPU node")
-    a("--gpus", default="", help="GPU ids to spread nodes over, e.g. 0,1,2,3")
+    a("--gpus", default="", help="GPU ids to spread nodes over, e.g. 0,1,2,3 (default: all)")
+    a("--prefill-tp", type=int, default=d.prefill_tp,
+      help="tensor-parallel size of each prefill node (its GPUs)")  # fmt: skip
+    a("--decode-tp", type=int, default=d.decode_tp,
+      help="tensor-parallel size of each decode node (its GPUs)")  # fmt: skip
     a("--kv-cache-gb", type=float, default=None, help="KV cache per node (GiB)")
     a("--autoscale", action="store_true", help="let the router size both pools from load")
     for pool in ("prefill", "decode"):

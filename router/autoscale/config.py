@@ -87,7 +87,16 @@ def _policy(args: argparse.Namespace, slo: SLOConfig) -> AutoscalerConfig:
         down_cooldown_s=args.scale_down_cooldown,
         down_delay_s=args.scale_down_delay,
         startup_grace_s=args.startup_grace,
+        prefill_gpus=args.prefill_tp,
+        decode_gpus=args.decode_tp,
+        gpu_budget=args.gpu_budget if args.gpu_budget is not None else _count_gpus(args),
     )
+
+
+def _count_gpus(args: argparse.Namespace) -> int | None:
+    """The local actuator's ``--node-gpus`` are the budget when no other is given."""
+    gpus = [g for g in (args.node_gpus or "").split(",") if g.strip()]
+    return len(gpus) if gpus and args.actuator == "local" else None
 
 
 def _compose(args: argparse.Namespace) -> ComposeTarget:
@@ -134,6 +143,8 @@ def build_actuator(settings: AutoscaleSettings, router_grpc: str, model: str) ->
         extra_args=settings.node_args,
         gpus=settings.node_gpus,
         drain_timeout_s=settings.node_drain_timeout_s,
+        prefill_tp=settings.policy.prefill_gpus,
+        decode_tp=settings.policy.decode_gpus,
     )
     return actuators.LocalProcessActuator(launch)
 
@@ -163,11 +174,18 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
       help="prefill backlog per instance while its capacity is unmeasured")  # fmt: skip
     a("--prefill-capacity", type=float, default=None, help="tokens/s one prefill instance does")
     a("--decode-capacity", type=float, default=None, help="tokens/s one decode instance does")
+    a("--prefill-tp", type=int, default=1,
+      help="tensor-parallel size of a prefill instance: the GPUs it takes")  # fmt: skip
+    a("--decode-tp", type=int, default=1,
+      help="tensor-parallel size of a decode instance: the GPUs it takes")  # fmt: skip
+    a("--gpu-budget", type=int, default=None,
+      help="GPUs the pools may take in all (default: the number of --node-gpus, else no cap)")  # fmt: skip
     a("--node-kv-store", default=None, help="local actuator: the nodes' --kv-store URL")
     a("--node-model", default=None, help="local actuator: the nodes' --model (default --model)")
     a("--node-args", default="", help='local actuator: extra node flags, e.g. "--device cpu"')
     a("--node-log-dir", default=None, help="local actuator: node logs (default: a temp dir)")
-    a("--node-gpus", default="", help="local actuator: CUDA_VISIBLE_DEVICES round-robin, 0,1")
+    a("--node-gpus", default="",
+      help="local actuator: GPU ids, e.g. 0,1,2,3; each node gets its TP size of them")  # fmt: skip
     a("--node-drain-timeout", type=float, default=300.0, help="local: s a stopped node drains")
     a("--compose-file", default=None, help="compose actuator: -f FILE")
     a("--compose-project", default=None, help="compose actuator: -p NAME")

@@ -27,6 +27,11 @@ between. While instances the actuator started have not registered yet (``pending
 does not grow again - they are capacity already on its way - unless ``startup_grace_s`` passes.
 A size outside ``[min, max]`` is corrected at once (below min: at most once per up-cooldown, so a
 node that keeps crashing is not restarted in a tight loop).
+
+GPUs, not instances, are what a cluster can afford: an instance of a pool takes that pool's
+tensor-parallel size in GPUs (``prefill_gpus``/``decode_gpus``), and with a ``gpu_budget`` a pool
+grows only into the GPUs the other pool leaves free. When both want more in the same decision,
+the one further below its need (wanted / current) is served first.
 """
 
 from __future__ import annotations
@@ -176,8 +181,22 @@ class AutoscalerConfig:
     down_cooldown_s: float = 60.0
     down_delay_s: float = 30.0
     startup_grace_s: float = 300.0
+    # GPUs an instance of each pool takes (its tensor-parallel size), and how many there are
+    # (None: instances are bounded by the pools' maxima only)
+    prefill_gpus: int = 1
+    decode_gpus: int = 1
+    gpu_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_gpus < 1 or self.decode_gpus < 1:
+            raise ValueError("GPUs per instance must be >= 1")
+        floor = self.prefill.minimum * self.prefill_gpus + self.decode.minimum * self.decode_gpus
+        if self.gpu_budget is not None and floor > self.gpu_budget:
+            raise ValueError(
+                f"the pools' minima take {floor} GPUs ({self.prefill.minimum} prefill x"
+                f" {self.prefill_gpus} + {self.decode.minimum} decode x {self.decode_gpus}),"
+                f" more than the GPU budget {self.gpu_budget}"
+            )
         times = ("up_cooldown_s", "down_cooldown_s", "down_delay_s", "startup_grace_s")
         if any(getattr(self, name) < 0 for name in times):
             raise ValueError(f"{', '.join(times)} must be >= 0")
@@ -195,6 +214,9 @@ class AutoscalerConfig:
 
     def seed_capacity(self, pool: Pool) -> float | None:
         return self.prefill_capacity if pool is Pool.PREFILL else self.decode_capacity
+
+    def gpus_per_instance(self, pool: Pool) -> int:
+        return self.prefill_gpus if pool is Pool.PREFILL else self.decode_gpus
 
 
 class ScaleDecision(NamedTuple):
@@ -290,8 +312,11 @@ class PoolController:
         if rates:
             self.capacity = max(self.capacity or 0.0, *rates)
 
-    def decide(self, now_s: float, obs: PoolObservation, traffic: Traffic) -> ScaleDecision | None:
-        """The change this pool needs now, or None to hold. Updates the controller's state."""
+    def decide(
+        self, now_s: float, obs: PoolObservation, traffic: Traffic, afford: int | None = None
+    ) -> ScaleDecision | None:
+        """The change this pool needs now, or None to hold. Updates the controller's state.
+        ``afford``: the most instances the GPU budget leaves this pool (None: no budget)."""
         self.observe_capacity(obs.loads)
         current = obs.target
         if current > self.limits.maximum:
@@ -303,10 +328,14 @@ class PoolController:
         if self._waiting_for_pending(now_s, obs):
             self.low_since_s = None
             return None
-        up = self._up_requirement(obs, traffic)
+        up = self.up_requirement(obs, traffic)
         grow_to = min(up.instances, self.limits.maximum)
+        reason = up.reason
+        if afford is not None and grow_to > afford:
+            grow_to = afford
+            reason += f" (capped by the GPU budget of {self.config.gpu_budget})"
         if grow_to > current and now_s - self.last_change_s >= self.config.up_cooldown_s:
-            return self._change(now_s, current, grow_to, up.reason)
+            return self._change(now_s, current, grow_to, reason)
         if up.instances > current or current <= self.limits.minimum:
             self.low_since_s = None  # busy (or at max, or cooling down), or nothing to shed
             return None
@@ -324,7 +353,7 @@ class PoolController:
             self.pending_since_s = now_s
         return now_s - self.pending_since_s < self.config.startup_grace_s
 
-    def _up_requirement(self, obs: PoolObservation, traffic: Traffic) -> Requirement:
+    def up_requirement(self, obs: PoolObservation, traffic: Traffic) -> Requirement:
         found = requirements(
             self.pool, obs.loads, traffic, self.capacity, self.config.up, self.config
         )
@@ -376,8 +405,31 @@ class Autoscaler:
         """The changes to make now (possibly none), one per pool at most."""
         traffic = self.traffic.update(snapshot)
         decisions = []
-        for pool, obs in observations.items():
-            decision = self.pools[pool].decide(now_s, obs, traffic)
+        sizes = {pool: obs.target for pool, obs in observations.items()}
+        for pool in self._by_need(observations, traffic):
+            obs = observations[pool]
+            decision = self.pools[pool].decide(now_s, obs, traffic, self._afford(pool, sizes))
             if decision is not None:
                 decisions.append(decision)
+                sizes[pool] = decision.target
         return decisions
+
+    def _afford(self, pool: Pool, sizes: dict[Pool, int]) -> int | None:
+        """Instances of ``pool`` the GPU budget allows next to the other pools' ``sizes``."""
+        budget = self.config.gpu_budget
+        if budget is None:
+            return None
+        others = sum(n * self.config.gpus_per_instance(p) for p, n in sizes.items() if p != pool)
+        return max(0, budget - others) // self.config.gpus_per_instance(pool)
+
+    def _by_need(self, observations: dict[Pool, PoolObservation], traffic: Traffic) -> list[Pool]:
+        """The pools, the one furthest below what it wants first (it gets free GPUs first)."""
+        if self.config.gpu_budget is None:
+            return list(observations)
+
+        def need(pool: Pool) -> float:
+            obs = observations[pool]
+            wanted = self.pools[pool].up_requirement(obs, traffic).instances
+            return wanted / max(1, obs.target)
+
+        return sorted(observations, key=need, reverse=True)

@@ -266,3 +266,55 @@ def test_loop_unroutes_the_least_busy_instance_before_stopping_it() -> None:
     snapshot = traffic_snapshot(metrics, 2.0)
     assert (snapshot.arrivals, snapshot.completed, snapshot.prompt_tokens) == (1, 1, 100)
     assert snapshot.output_tokens == 20
+
+
+GPU_STUB_NODE = """#!/bin/sh
+# Records the GPUs and the flags it was started with, then behaves as the stub node above.
+echo "$CUDA_VISIBLE_DEVICES $*" >> "$STUB_LOG"
+echo "PDSERVE_READY port=$$"
+trap 'exit 0' TERM
+while :; do sleep 0.05; done
+"""
+
+
+def test_local_actuator_gives_each_node_its_tp_size_in_distinct_gpus(tmp_path: Path) -> None:
+    script = tmp_path / "stub-node"
+    script.write_text(GPU_STUB_NODE)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    env = child_env(uuid.uuid4().hex, STUB_LOG=str(tmp_path / "started.log"))
+    launch = NodeLaunch(
+        "127.0.0.1:1", "file:///x", tmp_path, env=env, python=str(script),
+        gpus=("0", "1", "2", "3"), prefill_tp=2, decode_tp=1,
+    )  # fmt: skip
+    actuator = LocalProcessActuator(launch, restart=None)
+
+    async def go() -> dict[str, int]:
+        await actuator.scale(Pool.PREFILL, 1)
+        await actuator.scale(Pool.DECODE, 2)
+        await wait_addresses(actuator, Pool.DECODE, 2)
+        await wait_addresses(actuator, Pool.PREFILL, 1)
+        await actuator.scale(Pool.PREFILL, 0)  # its two GPUs are free again once it stopped
+        for _ in range(400):
+            if actuator.gpus.in_use()["0"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        in_use = actuator.gpus.in_use()
+        await actuator.close()
+        return in_use
+
+    in_use = asyncio.run(go())
+    started = [line.split() for line in (tmp_path / "started.log").read_text().splitlines()]
+    pools = {words[3]: [] for words in started}  # "GPUS -m pdserve_cli POOL flags…"
+    for words in started:
+        pools[words[3]].append((words[0], " ".join(words[4:])))
+    ((prefill_gpus, prefill_flags),) = pools["prefill"]
+    assert prefill_gpus == "0,1"  # two distinct GPUs, the least used first
+    assert "--tensor-parallel-size 2" in prefill_flags
+    assert sorted(gpus for gpus, _ in pools["decode"]) == ["2", "3"]
+    assert all("--tensor-parallel-size" not in flags for _, flags in pools["decode"])
+    assert in_use == {"0": 0, "1": 0, "2": 1, "3": 1}
+
+
+def test_a_tp_size_larger_than_the_gpus_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--decode-tp 4 needs 4 GPUs; there are 2"):
+        NodeLaunch("127.0.0.1:1", "file:///x", tmp_path, gpus=("0", "1"), decode_tp=4)

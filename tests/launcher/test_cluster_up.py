@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_up_serves_a_request_and_ctrl_c_stops_everything(tmp_path: Path) -> None:
-    up = UpProcess(tmp_path / "logs", "--api-key", "up-test-key")
+    """With the prefill pool at tensor-parallel size 2 (two gloo ranks), decode at 1."""
+    up = UpProcess(tmp_path / "logs", "--api-key", "up-test-key", "--prefill-tp", "2")
     try:
         url = up.wait_ready()
         headers = {"Authorization": "Bearer up-test-key"}
@@ -30,7 +31,7 @@ def test_up_serves_a_request_and_ctrl_c_stops_everything(tmp_path: Path) -> None
                 == 401
             )
         pids = up.leftovers()
-        assert len(pids) >= 5  # router, 2 nodes, their 2 engine cores
+        assert len(pids) >= 6  # router, 2 nodes, their 2 engine cores, the prefill's rank 1
     except BaseException:
         up.kill()
         raise

@@ -245,3 +245,42 @@ def test_autoscaler_decides_each_pool_independently() -> None:
     }
     (decision,) = scaler.decide(0.0, snapshot, observations)
     assert (decision.pool, decision.current, decision.target) == (Pool.PREFILL, 1, 2)
+
+
+# -- GPUs, not instances ------------------------------------------------------------------------
+
+
+def test_the_gpu_budget_caps_growth_counting_each_pools_tp_size() -> None:
+    """8 GPUs; prefill TP=2, decode TP=1; 2 decode instances take 2: prefill may grow to 3
+    instances (6 GPUs) though its backlog asks for 4."""
+    scaler = Autoscaler(config(queue_tokens_per_instance=100, prefill_gpus=2, gpu_budget=8))
+    observations = {
+        Pool.PREFILL: pool_obs(1, prefill_load(queued=10_000)),
+        Pool.DECODE: pool_obs(2, decode_load(running=1), decode_load(running=1)),
+    }
+    (decision,) = scaler.decide(0.0, TrafficSnapshot(0.0, 0, 0, 0, 0), observations)
+    assert (decision.pool, decision.target) == (Pool.PREFILL, 3)
+    assert "GPU budget of 8" in decision.reason
+
+
+def test_both_pools_short_of_gpus_the_needier_is_served_first() -> None:
+    scaler = Autoscaler(config(queue_tokens_per_instance=100, gpu_budget=5))
+    observations = {
+        Pool.PREFILL: pool_obs(1, prefill_load(queued=170)),  # wants 3 (×3 its size)
+        Pool.DECODE: pool_obs(2, decode_load(kv=0.8), decode_load(kv=0.8)),  # wants 2 → hold
+    }
+    (decision,) = scaler.decide(0.0, TrafficSnapshot(0.0, 0, 0, 0, 0), observations)
+    assert (decision.pool, decision.target) == (Pool.PREFILL, 3)
+    observations = {
+        Pool.PREFILL: pool_obs(1, prefill_load(queued=170)),  # wants 3: ×3
+        Pool.DECODE: pool_obs(1, decode_load(kv=3.0)),  # wants 4 (3.0 / 0.8): ×4, first
+    }
+    decisions = Autoscaler(config(queue_tokens_per_instance=100, gpu_budget=5)).decide(
+        0.0, TrafficSnapshot(0.0, 0, 0, 0, 0), observations
+    )
+    assert [(d.pool, d.target) for d in decisions] == [(Pool.DECODE, 4)]  # prefill: no GPU left
+
+
+def test_minima_that_do_not_fit_the_gpu_budget_are_refused() -> None:
+    with pytest.raises(ValueError, match="minima take 5 GPUs"):
+        config(prefill=PoolLimits(1, 4), decode=PoolLimits(3, 4), prefill_gpus=2, gpu_budget=4)
