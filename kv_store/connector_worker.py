@@ -419,7 +419,9 @@ class StoreConnectorWorker(KVConnectorWorker):
             return
         if self.exchange is not None:
             good = [i for i, hit in enumerate(item.ok) if hit]
-            if good:
+            if len(good) == len(item.ok):
+                self.exchange.land_blocks(item.block_ids, item.staged)
+            elif good:
                 full = item.staged.index_select(1, torch.tensor(good))
                 self.exchange.land_blocks([item.block_ids[i] for i in good], full)
             self.load_ring.release(item.slot)  # the exchange copied it (synchronously)

@@ -14,7 +14,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine import EngineCore
-from tests.kv_store.test_connector import params, prompts, run
+from tests.kv_store.test_connector import entry_keys, params, prompts, run
 
 BS = 8
 PROMPT_LENS = (5, 8, 45)  # shorter than a block, exactly a block, several blocks + a partial
@@ -41,10 +41,13 @@ def make(model: str, url: str | None, tp: int) -> EngineCore:
     return EngineCore(config, create_store_connector if url else None)
 
 
-def handoff(producer: EngineCore, consumer: EngineCore, ps, greedy: bool, tag: str):
-    """The producer samples the first token and saves the prompt's KV; the consumer continues
-    from the handle. Returns the full tokens and how many prompt tokens each consumer loaded."""
+def handoff(producer: EngineCore, consumer: EngineCore, ps, greedy: bool, tag: str, fault=None):
+    """The producer samples the first token and saves the prompt's KV; ``fault(handles)`` may
+    break the store; the consumer continues from the handle. Returns the full tokens, how many
+    prompt tokens each consumer loaded, and the handles."""
     first = run(producer, [(f"{tag}{i}", p, params(1, greedy), None) for i, p in enumerate(ps)])
+    if fault is not None:
+        fault([first[f"{tag}{i}"]["handle"] for i in range(len(ps))])
     rest = run(
         consumer,
         [
@@ -80,6 +83,16 @@ def test_prefill_and_decode_at_different_tp_sizes(model, store, tmp_path, reques
             assert tokens == [ref[f"ref{i}"]["tokens"] for i in range(len(ps))], tag
             assert loaded == list(PROMPT_LENS), tag  # every prompt token from the store
             assert {h.fingerprint for h in handles} == {fingerprint}
+        # a missing entry under TP = 2: the blocks from it on are recomputed, same tokens
+        ps = prompts(PROMPT_LENS, seed=10)
+        ref = run(colocated, [(f"m{i}", p, params(12, True), None) for i, p in enumerate(ps)])
+
+        def drop_third_block(handles) -> None:
+            assert single.connector[0].store.delete_many([entry_keys(handles[2])[2]]) == 1
+
+        tokens, loaded, _ = handoff(single, parallel, ps, True, "missing-", drop_third_block)
+        assert tokens == [ref[f"m{i}"]["tokens"] for i in range(len(ps))]
+        assert loaded == [5, 8, 2 * BS]  # the long prompt: only the two blocks before the hole
         for engine in (single, parallel):
             engine.check_integrity()
             assert engine.num_free_blocks() == engine.runner.num_blocks
