@@ -187,13 +187,21 @@ async def wait_full(url: str, replaced: Callable[[], bool], full: dict[str, int]
 
 
 def _replaced(up: object, tag: str, redis: str, fault: str, victim: int) -> Callable[[], bool]:
-    """When the killed ``fault`` process counts as replaced: a node once `up` logged another
-    node of its pool ready (it registers right after), the router or Redis once another
-    process of that kind runs (``/ready`` then shows the router's nodes)."""
+    """When the killed ``fault`` process counts as replaced: a node once whoever starts nodes
+    (`up`, or under ``--autoscale`` the router's actuator, in router.log) logged another node of
+    its pool ready (it registers right after), the router or Redis once another process of that
+    kind runs (``/ready`` then shows the router's nodes)."""
     if fault in ("prefill", "decode"):
         pattern = re.compile(rf"{fault}-\d+ ready at")
-        before = len(pattern.findall(up.output))  # type: ignore[attr-defined]
-        return lambda: len(pattern.findall(up.output)) > before  # type: ignore[attr-defined]
+        router_log = up.log_dir / "router.log"  # type: ignore[attr-defined]
+
+        def text() -> str:
+            if "--autoscale" in up.args:  # type: ignore[attr-defined]
+                return router_log.read_text(errors="replace") if router_log.exists() else ""
+            return up.output  # type: ignore[attr-defined]
+
+        before = len(pattern.findall(text()))
+        return lambda: len(pattern.findall(text())) > before
     return lambda: any(p != victim for p in cluster_pids(tag, redis).get(fault, []))
 
 
@@ -294,12 +302,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--faults", default=",".join(FAULTS), help="in order, comma-separated")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the cluster's logs")
+    parser.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="the router's autoscaler keeps the pools (min = max: 1 prefill, 2 decode) instead"
+        " of up's supervisor",
+    )
     args = parser.parse_args()
     faults = tuple(args.faults.split(","))
     expected = expected_texts()
     with tempfile.TemporaryDirectory(prefix="pdserve-chaos-") as tmp:
         logs = args.log_dir or Path(tmp) / "logs"
-        up = UpProcess(logs, "--kv-store", "redis", "--prefill", "1", "--decode", "2")
+        pools = ["--prefill", "1", "--decode", "2"]
+        if args.autoscale:
+            pools += ["--autoscale", "--prefill-min", "1", "--prefill-max", "1",
+                      "--decode-min", "2", "--decode-max", "2"]  # fmt: skip
+        up = UpProcess(logs, "--kv-store", "redis", *pools)
         try:
             url = up.wait_ready()
             rows = asyncio.run(run_chaos(up, url, expected, args.streams, args.settle, faults))

@@ -35,6 +35,7 @@ class UpProcess:
     def __init__(self, log_dir: Path, *args: str) -> None:
         self.tag = uuid.uuid4().hex
         self.log_dir = log_dir
+        self.args = args  # the `up` flags
         self.state_dir = log_dir.parent / f"state-{self.tag[:8]}"
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "UP_TEST_TAG": self.tag, "PYTHONPATH": path}
