@@ -152,10 +152,6 @@ class EngineConfig:
             return
         if self.async_scheduling:
             raise ValueError("async_scheduling with tensor_parallel_size > 1 is not supported yet")
-        if self.speculative_config is not None:
-            raise ValueError(
-                "speculative decoding with tensor_parallel_size > 1 is not supported yet"
-            )
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(

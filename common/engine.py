@@ -246,8 +246,6 @@ class EngineCore:
                 f"the engine runs one sample per request, got n={params.n}:"
                 " split it first (common.parallel_sampling.split_samples)"
             )
-        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs with tensor_parallel_size > 1 is not supported yet")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:

@@ -56,6 +56,16 @@ def prompt_spans(scheduled: list[ScheduledRequest]) -> list[_Span]:
     return spans
 
 
+def prompt_rows(scheduled: list[ScheduledRequest]) -> list[int]:
+    """The hidden rows scored for prompt logprobs this step, in the order they are scored (a
+    tensor-parallel worker runs the LM head on the same rows: ``common/parallel/executor.py``)."""
+    return _rows(prompt_spans(scheduled))
+
+
+def _rows(spans: list[_Span]) -> list[int]:
+    return [s.row + j for s in spans for j in range(len(s.targets))]
+
+
 def compute_prompt_logprobs(
     hidden: torch.Tensor,
     scheduled: list[ScheduledRequest],
@@ -66,7 +76,7 @@ def compute_prompt_logprobs(
     spans = prompt_spans(scheduled)
     if not spans:
         return {}
-    rows = [s.row + j for s in spans for j in range(len(s.targets))]
+    rows = _rows(spans)
     flat = [t for s in spans for t in s.targets]
     device = hidden.device
     targets = torch.tensor(flat, device=device)

@@ -49,16 +49,18 @@ from common.parallel.group import (
     rendezvous_store,
 )
 from common.parent_death import die_with
+from common.prompt_logprobs import prompt_rows
 from common.scheduler import SchedulerOutput
 from common.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
 _STEP, _STOP, _LAND, _COLLECT, _SAVED = 0, 1, 2, 3, 4
-# op, tokens (KV ops: blocks), seqs, row stride, logits rows, max query len, max seq len, and
+# op, tokens (KV ops: blocks), seqs, row stride, logits rows, max query len, max seq len,
 # whether the step has a store connector (then its collects, if any, and _SAVED follow the
-# forward: rank 0 saves before it computes logits)
-_HEADER = 8
+# forward: rank 0 saves before it computes logits), and the rows scored for prompt logprobs
+# (their ids follow the inputs; their LM head comes before the sampled rows', as on rank 0)
+_HEADER = 9
 TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
 
 
@@ -169,11 +171,11 @@ class ParallelModelRunner(ModelRunner):
         inputs = self.inputs.prepare(out.scheduled, self._prev_rows)
         assert not inputs.num_fill, "tensor parallelism runs the serial loop"
         self._saving = self.connector is not None
-        self._broadcast(inputs)
+        self._broadcast(inputs, prompt_rows(out.scheduled))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         return hidden, inputs
 
-    def _broadcast(self, inputs: StepInputs) -> None:
+    def _broadcast(self, inputs: StepInputs, prompt: list[int]) -> None:
         assert self.tp is not None
         meta = inputs.meta
         num_seqs, stride = meta.block_tables.shape
@@ -187,6 +189,7 @@ class ParallelModelRunner(ModelRunner):
                 meta.max_query_len,
                 meta.max_seq_len,
                 int(self._saving),
+                len(prompt),
             ],
             dtype=torch.int64,
         )
@@ -196,6 +199,8 @@ class ParallelModelRunner(ModelRunner):
         dist.broadcast(header, 0, group=group)
         dist.broadcast(host64[: o.logits_rows + inputs.num_logits_rows], 0, group=group)
         dist.broadcast(host32[: o.block_tables + num_seqs * stride], 0, group=group)
+        if prompt:
+            dist.broadcast(torch.tensor(prompt, dtype=torch.int64), 0, group=group)
 
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self.workers, start=1):
@@ -336,7 +341,7 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
     host64, host32 = buffers.last_host
     while True:
         dist.broadcast(header, 0, group=tp.control_group)
-        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, saving = header.tolist()
+        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, saving, scored = header.tolist()
         if op == _STOP:
             return
         if op != _STEP:
@@ -344,6 +349,9 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
             continue
         dist.broadcast(host64[: o.logits_rows + rows], 0, group=tp.control_group)
         dist.broadcast(host32[: o.block_tables + seqs * stride], 0, group=tp.control_group)
+        prompt = torch.empty(scored, dtype=torch.int64)
+        if scored:
+            dist.broadcast(prompt, 0, group=tp.control_group)
         inputs = buffers.adopt(tokens, seqs, stride, rows, max_query_len, max_seq_len)
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
         while saving:  # the step's saves, until rank 0 says they are all collected
@@ -352,6 +360,8 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
             if op == _SAVED:
                 break
             _kv_op(runner, tp, op, blocks)
+        if scored:  # prompt logprobs first, as rank 0 computes them
+            runner.model.lm_head(hidden.index_select(0, prompt.to(runner.device)))
         if rows:
             runner.model.lm_head(hidden.index_select(0, inputs.logits_rows))
 

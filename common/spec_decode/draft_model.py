@@ -36,6 +36,7 @@ class DraftModelProposer:
             enforce_eager=True,
             async_scheduling=False,
             speculative_config=None,
+            tensor_parallel_size=1,  # a small draft runs whole beside the target's rank 0
         )
         self.engine = EngineCore(draft_config)
         self._ids = itertools.count()

@@ -107,16 +107,62 @@ def test_refused_start_stops_the_workers():
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("tp-rank")]
 
 
-def test_prompt_logprobs_refused(gqa_dir):
-    """Prompt logprobs score rows outside the sampled ones (a collective the workers would not
-    join): refused by name until they are broadcast too."""
-    llm = LLM(model=gqa_dir, tensor_parallel_size=2, **ENGINE_ARGS)
+def test_prompt_logprobs_equal_one_device(gqa_dir):
+    """Prompt logprobs score rows outside the sampled ones: the workers run the LM head on the
+    rows rank 0 broadcasts, chunked prefill included (a 40-token prompt in 16-token chunks)."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    prompts = [list(range(100, 140)), [1, 5, 9, 33, 2, 7]]
+    single = LLM(model=gqa_dir, **ENGINE_ARGS)
+    parallel = LLM(model=gqa_dir, tensor_parallel_size=2, **ENGINE_ARGS)
     try:
-        params = SamplingParams(max_tokens=2, prompt_logprobs=1)
-        with pytest.raises(ValueError, match="prompt_logprobs with tensor_parallel_size"):
-            llm.engine.add_request("p", [1, 2, 3], params)
+        want = single.generate(prompts, params, use_tqdm=False)
+        got = parallel.generate(prompts, params, use_tqdm=False)
+        for w, g in zip(want, got):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert len(g.prompt_logprobs) == len(w.prompt_logprobs) > 1
+            for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+                assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids)
+                assert abs(a.logprob - b.logprob) < 1e-4
+                assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs)) < 1e-4
     finally:
-        llm.engine.close()
+        parallel.engine.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_gives_the_one_device_tokens(method):
+    """Verification is a step with more logits rows: the workers' LM head takes the same rows.
+    The draft model runs whole (TP 1) beside rank 0."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update(
+        {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        if method == "ngram"
+        else {"model": "tiny-llama"}  # the target as its own draft: every draft accepted
+    )
+    prompts = [[1, 5, 9, 33, 2, 7] * 4, list(range(100, 140)), [7, 8, 9] * 10]
+    single = LLM(model="tiny-llama", **ENGINE_ARGS)
+    parallel = LLM(
+        model="tiny-llama", tensor_parallel_size=2, speculative_config=spec, **ENGINE_ARGS
+    )
+    try:
+        for params in (
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True),
+        ):
+            want = [
+                o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)
+            ]
+            got = [
+                o.outputs[0].token_ids for o in parallel.generate(prompts, params, use_tqdm=False)
+            ]
+            assert got == want
+            if params.temperature == 0.0:
+                greedy = parallel.engine.scheduler.stats()
+        assert greedy.spec_num_draft_tokens > 0
+        if method == "draft_model":  # greedy: the target agrees with itself
+            assert greedy.spec_num_accepted_tokens >= 0.9 * greedy.spec_num_draft_tokens
+        parallel.check_integrity()
+    finally:
+        parallel.engine.close()
 
 
 def test_killed_rank_fails_cleanly():
