@@ -46,6 +46,8 @@ PROMPTS = [
 ]
 MAX_TOKENS = 16
 FAULTS = ("decode", "prefill", "router", "redis")
+# also: "decode-rank" / "prefill-rank", a tensor-parallel rank of a node (with --decode-tp /
+# --prefill-tp > 1): its engine fails, the node stops and is replaced
 
 
 @dataclass
@@ -155,6 +157,31 @@ def cluster_pids(tag: str, redis: str) -> dict[str, list[int]]:
     return found
 
 
+def _ranks(node: int) -> list[int]:
+    """The tensor-parallel worker ranks of a node: its engine core's children."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    cores = [pid for pid, parent in parents.items() if parent == node]
+    return sorted(pid for pid, parent in parents.items() if parent in cores)
+
+
+def _victim(tag: str, redis: str, fault: str) -> int:
+    pool, _, part = fault.partition("-")
+    pid = cluster_pids(tag, redis)[pool][0]
+    if part != "rank":
+        return pid
+    ranks = _ranks(pid)
+    if not ranks:
+        raise ValueError(f"{fault}: the {pool} node has no tensor-parallel ranks (--{pool}-tp 2)")
+    return ranks[0]
+
+
 def _kind(argv: list[str]) -> str | None:
     if "pdserve_cli" in argv:
         rest = argv[argv.index("pdserve_cli") + 1 :]
@@ -233,8 +260,8 @@ async def run_chaos(up: object, url: str, expected: list[str], streams: int = 8,
     try:
         await asyncio.sleep(settle_s)
         for fault in faults:
-            victim = cluster_pids(tag, redis)[fault][0]
-            replaced = _replaced(up, tag, redis, fault, victim)
+            victim = _victim(tag, redis, fault)
+            replaced = _replaced(up, tag, redis, fault.removesuffix("-rank"), victim)
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
             recovery = await wait_full(url, replaced, full, timeout_s)
@@ -247,7 +274,8 @@ async def run_chaos(up: object, url: str, expected: list[str], streams: int = 8,
 
 
 _REPLICAS = {"none": "-", "decode": "1 of 2 decode", "prefill": "1 of 1 prefill",
-             "router": "1 of 1 router", "redis": "1 of 1 Redis"}  # fmt: skip
+             "router": "1 of 1 router", "redis": "1 of 1 Redis",
+             "decode-rank": "rank 1 of 2, 1 of 2 decode", "prefill-rank": "rank 1 of 2, 1 of 1 prefill"}  # fmt: skip
 
 
 def _rows(outcomes: list[Outcome], marks: list[tuple[str, float, float]]) -> list[FaultRow]:
@@ -308,6 +336,8 @@ def main() -> None:
         help="the router's autoscaler keeps the pools (min = max: 1 prefill, 2 decode) instead"
         " of up's supervisor",
     )
+    parser.add_argument("--prefill-tp", type=int, default=1, help="TP size of the prefill node")
+    parser.add_argument("--decode-tp", type=int, default=1, help="TP size of the decode nodes")
     args = parser.parse_args()
     faults = tuple(args.faults.split(","))
     expected = expected_texts()
@@ -317,6 +347,7 @@ def main() -> None:
         if args.autoscale:
             pools += ["--autoscale", "--prefill-min", "1", "--prefill-max", "1",
                       "--decode-min", "2", "--decode-max", "2"]  # fmt: skip
+        pools += ["--prefill-tp", str(args.prefill_tp), "--decode-tp", str(args.decode_tp)]
         up = UpProcess(logs, "--kv-store", "redis", *pools)
         try:
             url = up.wait_ready()

@@ -61,6 +61,30 @@ def test_one_crash_at_a_time_loses_no_request(tmp_path: Path) -> None:
     assert "stopping the cluster" in up.output and "nothing can serve" not in up.output
 
 
+def test_a_killed_tensor_parallel_rank_loses_no_request(tmp_path: Path) -> None:
+    """Decode nodes at TP 2 (gloo ranks): SIGKILL of one node's rank 1 fails its engine, the node
+    stops (its streams migrate to the other decode node) and `up` replaces it; no request is
+    lost or changed (the offline engine at TP 1 gives the expected text)."""
+    expected = expected_texts()
+    up = UpProcess(tmp_path / "logs", "--kv-store", "redis", "--prefill", "1", "--decode", "2",
+                   "--decode-tp", "2")  # fmt: skip
+    try:
+        url = up.wait_ready()
+        rows = asyncio.run(
+            run_chaos(up, url, expected, streams=4, settle_s=3.0, faults=("decode-rank",))
+        )
+    except BaseException:
+        print(up.output, up.logs(), sep="\n")
+        stop_on_failure(up)
+        raise
+    print(table(rows))
+    assert up.stop(signal.SIGTERM) == 0, up.output
+    assert up.leftovers() == [], up.output
+    for row in rows:
+        assert row.requests > 0, table(rows)
+        assert (row.failed, row.truncated, row.different) == (0, 0, 0), (table(rows), row)
+
+
 def test_autoscaled_nodes_and_the_router_come_back(tmp_path: Path) -> None:
     """With ``--autoscale`` the router's actuator replaces a crashed node (`up` does not start a
     second one), and `up` restarts the router, whose actuator starts its nodes afresh."""
