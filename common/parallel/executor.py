@@ -20,8 +20,8 @@ every rank's heads) and *collect* (every rank's heads of blocks to save, gathere
 header with the op and the block count, then the block ids, then the collective. A step's
 collects come between its forward and its LM head; ``_SAVED`` ends them.
 
-TP steps run eagerly and serially (no CUDA graphs, no overlapped scheduling: the engine refuses
-those combinations at start). A worker that dies fails the next step (its
+TP steps run eagerly and serially (no CUDA graphs are captured; overlapped scheduling is off,
+and refused when asked for). A worker that dies fails the next step (its
 exit is checked before each broadcast) or the collective it was in (gloo sees the closed
 connection), with ``TensorParallelError``: never a hang.
 """
