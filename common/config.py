@@ -144,14 +144,10 @@ class EngineConfig:
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
-        """What tensor parallelism does not do yet is refused here, at start, by name."""
+        """A tensor-parallel size is a positive count."""
         size = self.tensor_parallel_size
         if size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-        if size == 1:
-            return
-        if self.async_scheduling:
-            raise ValueError("async_scheduling with tensor_parallel_size > 1 is not supported yet")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(

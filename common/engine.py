@@ -85,7 +85,6 @@ class EngineCore:
         self._seeds = random.Random(config.model.seed)
         overlap = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
-        self.async_scheduling &= config.tensor_parallel_size == 1  # TP runs the serial loop
         self.proposer = make_proposer(config.speculative_config, config, self.max_model_len)
         if self.proposer is not None:
             check_vocab = getattr(self.proposer, "check_vocab", None)

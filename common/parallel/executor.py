@@ -20,8 +20,9 @@ every rank's heads) and *collect* (every rank's heads of blocks to save, gathere
 header with the op and the block count, then the block ids, then the collective. A step's
 collects come between its forward and its LM head; ``_SAVED`` ends them.
 
-TP steps run eagerly and serially (no CUDA graphs are captured; overlapped scheduling is off,
-and refused when asked for). A worker that dies fails the next step (its
+TP steps run eagerly (no CUDA graphs are captured). Overlapped scheduling works: a step's
+input ids that come from the previous step's samples (still on rank 0's device) are broadcast
+on the device group after the inputs. A worker that dies fails the next step (its
 exit is checked before each broadcast) or the collective it was in (gloo sees the closed
 connection), with ``TensorParallelError``: never a hang.
 """
@@ -59,8 +60,10 @@ _STEP, _STOP, _LAND, _COLLECT, _SAVED = 0, 1, 2, 3, 4
 # op, tokens (KV ops: blocks), seqs, row stride, logits rows, max query len, max seq len,
 # whether the step has a store connector (then its collects, if any, and _SAVED follow the
 # forward: rank 0 saves before it computes logits), and the rows scored for prompt logprobs
-# (their ids follow the inputs; their LM head comes before the sampled rows', as on rank 0)
-_HEADER = 9
+# (their ids follow the inputs; their LM head comes before the sampled rows', as on rank 0),
+# and whether input ids were filled on the device from the last step's samples (overlapped
+# scheduling: rank 0 then broadcasts its input ids on the device group, no host sync)
+_HEADER = 10
 TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
 
 
@@ -169,7 +172,9 @@ class ParallelModelRunner(ModelRunner):
     def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
         assert not hooked, "under tensor parallelism the connector moves KV between steps"
         inputs = self.inputs.prepare(out.scheduled, self._prev_rows)
-        assert not inputs.num_fill, "tensor parallelism runs the serial loop"
+        if inputs.num_fill:  # overlapped: ids sampled by the step still running
+            assert self._prev_sampled is not None
+            self.inputs.fill_from(inputs, self._prev_sampled)
         self._saving = self.connector is not None
         self._broadcast(inputs, prompt_rows(out.scheduled))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
@@ -190,6 +195,7 @@ class ParallelModelRunner(ModelRunner):
                 meta.max_seq_len,
                 int(self._saving),
                 len(prompt),
+                int(inputs.num_fill > 0),
             ],
             dtype=torch.int64,
         )
@@ -201,6 +207,8 @@ class ParallelModelRunner(ModelRunner):
         dist.broadcast(host32[: o.block_tables + num_seqs * stride], 0, group=group)
         if prompt:
             dist.broadcast(torch.tensor(prompt, dtype=torch.int64), 0, group=group)
+        if inputs.num_fill:  # on the device group: queued behind the step, not waited for
+            dist.broadcast(inputs.input_ids, 0, group=self.tp.device_group)
 
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self.workers, start=1):
@@ -341,7 +349,9 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
     host64, host32 = buffers.last_host
     while True:
         dist.broadcast(header, 0, group=tp.control_group)
-        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, saving, scored = header.tolist()
+        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, saving, scored, filled = (
+            header.tolist()
+        )
         if op == _STOP:
             return
         if op != _STEP:
@@ -353,6 +363,8 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
         if scored:
             dist.broadcast(prompt, 0, group=tp.control_group)
         inputs = buffers.adopt(tokens, seqs, stride, rows, max_query_len, max_seq_len)
+        if filled:
+            dist.broadcast(inputs.input_ids, 0, group=tp.device_group)
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
         while saving:  # the step's saves, until rank 0 says they are all collected
             dist.broadcast(header, 0, group=tp.control_group)

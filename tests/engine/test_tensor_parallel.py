@@ -202,3 +202,29 @@ def test_rank_dying_at_start_fails_fast():
     with pytest.raises(TensorParallelError, match="rank 1 exited"):
         LLM(model="tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS)
     assert time.monotonic() - start < 30
+
+
+def test_overlapped_scheduling_gives_the_serial_tokens(monkeypatch):
+    """Step N+1 launched before step N's tokens are read: its ids still on rank 0's device are
+    broadcast to the workers on the device group. The overlap test's workload (greedy, seeded,
+    n=2, penalties, stop ids, logprobs) with preemption, against one device, serial."""
+    from common.step_inputs import InputBuffers
+    from tests.engine.test_overlap import generate
+
+    want, _ = generate(async_scheduling=False)
+    filled = []
+    fill_from = InputBuffers.fill_from
+
+    def counting(self, inputs, previous):
+        filled.append(inputs.num_fill)
+        return fill_from(self, inputs, previous)
+
+    monkeypatch.setattr(InputBuffers, "fill_from", counting)
+    args = dict(num_blocks=40, max_model_len=256, cpu_threads=1)
+    got, llm = generate(async_scheduling=True, tensor_parallel_size=2, **args)
+    try:
+        assert llm.engine.async_scheduling and sum(filled) > 0  # ids came from the device
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert got == want
+    finally:
+        llm.engine.close()
