@@ -102,6 +102,10 @@ class Request:
         self.num_output_placeholders = 0
         # draft tokens proposed for the next step (speculative decoding, common/spec_decode/)
         self.spec_token_ids: list[int] = []
+        # speculation back-off (``common/spec_decode/rejection.py``): verifications in a row
+        # with no draft accepted, and the output count before which no drafts are proposed
+        self.spec_misses = 0
+        self.spec_resume_at = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

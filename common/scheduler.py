@@ -56,7 +56,7 @@ from common.config import SchedulerConfig
 from common.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
 from common.kv_connector import ConnectorMetadata, KVConnectorScheduler, KVHandle
 from common.request import Request, RequestStatus, TokenLogprobs
-from common.spec_decode import num_accepted
+from common.spec_decode import num_accepted, record_verification
 
 if TYPE_CHECKING:  # common.prompt_logprobs imports this module
     from common.prompt_logprobs import PromptLogprobsChunk
@@ -471,6 +471,7 @@ class Scheduler:
         self.spec_counts[1] += len(drafts)
         self.spec_counts[2] += accepted
         output = self._accept_tokens(request, targets[: accepted + 1])
+        record_verification(request, accepted)  # counts from the tokens just emitted
         if not request.is_finished:  # the rejected drafts' KV is garbage: forget it
             request.num_computed_tokens = request.num_tokens - 1
             self.kv.trim(request.request_id, request.num_computed_tokens)

@@ -18,10 +18,16 @@ tokens are the very tokens of non-speculative decoding, greedy and seeded alike.
 - ``config.py``: ``SpeculativeConfig`` (vLLM's ``speculative_config`` dict).
 - ``ngram.py``: prompt lookup (vectorised numpy, O(len) per request).
 - ``draft_model.py``: a small model sharing the tokenizer, run as a nested greedy engine.
-- ``rejection.py``: how many drafts a step keeps; the proposer interface and its factory.
+- ``rejection.py``: how many drafts a step keeps, the back-off of a request whose drafts keep
+  missing; the proposer interface and its factory.
 """
 
 from common.spec_decode.config import SpeculativeConfig
-from common.spec_decode.rejection import Proposer, make_proposer, num_accepted
+from common.spec_decode.rejection import (
+    Proposer,
+    make_proposer,
+    num_accepted,
+    record_verification,
+)
 
-__all__ = ["Proposer", "SpeculativeConfig", "make_proposer", "num_accepted"]
+__all__ = ["Proposer", "SpeculativeConfig", "make_proposer", "num_accepted", "record_verification"]

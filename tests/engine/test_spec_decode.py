@@ -12,6 +12,7 @@ from common.sampling_params import SamplingParams
 from common.scheduler import SampledToken, Scheduler
 from common.spec_decode import SpeculativeConfig, num_accepted
 from common.spec_decode.ngram import propose_ngram
+from common.spec_decode.rejection import wants_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
@@ -110,6 +111,24 @@ def test_rejected_drafts_roll_back_their_slots_and_blocks():
     assert (stats.spec_num_drafts, stats.spec_num_draft_tokens) == (1, 6)
     assert stats.spec_num_accepted_tokens == 2
     assert stats.spec_mean_accepted_length == 3.0
+    sched.check_integrity()
+
+
+def test_drafts_that_keep_missing_back_off_and_one_accepted_draft_resets():
+    """n verifications in a row accepting nothing: no drafts for the next 2**(n-1) tokens."""
+    sched = _sched(num_blocks=64)
+    req = _decoding(sched, max_tokens=200)
+    skips = []
+    for _ in range(4):
+        assert wants_drafts(req, 3) == 3
+        _verify(sched, req, [1, 2, 3], [9, 9, 9, 9])  # none accepted: one token (the target's)
+        skips.append(req.spec_resume_at - req.num_output_tokens)
+        while not wants_drafts(req, 3):  # plain decode steps meanwhile
+            out = sched.schedule()
+            sched.update_from_output(out, {"r": SampledToken(100)})
+    assert skips == [1, 2, 4, 8]
+    _verify(sched, req, [1, 2, 3], [1, 9, 9, 9])  # one accepted: the back-off ends
+    assert (req.spec_misses, wants_drafts(req, 3)) == (0, 3)
     sched.check_integrity()
 
 
