@@ -51,7 +51,12 @@ def test_fifty_abandoned_non_streaming_requests_are_aborted() -> None:
                 assert time.monotonic() < deadline, f"{h.router.core.inflight} still in flight"
                 await asyncio.sleep(0.05)
             decode_ids = [rid for s in h.scripts("decode") for rid in s.seen]
-            aborted = {rid for s in h.scripts("decode") for rid in s.aborted}
-            assert len(decode_ids) == 50 and aborted == set(decode_ids)
+            assert len(decode_ids) == 50
+            while (aborted := {r for s in h.scripts("decode") for r in s.aborted}) != set(
+                decode_ids
+            ):  # the aborts are sent as the flows end: the last may still be on their way
+                missing = set(decode_ids) - aborted
+                assert time.monotonic() < deadline, f"{len(missing)} never aborted: {missing}"
+                await asyncio.sleep(0.05)
 
     asyncio.run(go())
