@@ -31,6 +31,7 @@ from pdserve_proto.convert import (
     load_from_proto,
     logprob_to_proto,
     node_info_from_proto,
+    prompt_logprobs_to_proto,
     role_from_proto,
 )
 
@@ -147,6 +148,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
 def _response(request_id: str, delta: SampleDelta, usage: Usage) -> pb.GenerateResponse:
     item = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text)
     item.logprobs.extend(logprob_to_proto(lp) for lp in delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        item.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(delta.prompt_logprobs))
     if delta.finish_reason is not None:
         item.finish_reason = finish_reason_to_proto(delta.finish_reason)
         if isinstance(delta.stop_reason, str):

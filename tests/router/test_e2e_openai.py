@@ -140,6 +140,30 @@ def test_grpc_generate_gives_offline_token_ids(cluster: Cluster, offline) -> Non
     assert got == [w[0].token_ids for w in wants]
 
 
+def test_grpc_generate_returns_prompt_logprobs(cluster: Cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    """The first stream item carries the prompt tokens' logprobs, as the offline engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    (want,) = offline.generate([IDS_PROMPT], params, use_tqdm=False)
+
+    async def go() -> list[pb.GenerateResponse]:
+        async with grpc.aio.insecure_channel(cluster.router.grpc_target) as channel:
+            message = pb.GenerateRequest(token_ids=pb.TokenIds(ids=IDS_PROMPT))
+            message.sampling_params.temperature = 0.0
+            message.sampling_params.max_tokens = 2
+            message.sampling_params.prompt_logprobs = 2
+            stub = pb_grpc.RouterServiceStub(channel)
+            return [i async for i in stub.Generate(message, timeout=180)]
+
+    items = asyncio.run(go())
+    assert items[0].HasField("prompt_logprobs")
+    assert not any(i.HasField("prompt_logprobs") for i in items[1:])
+    got = items[0].prompt_logprobs.tokens
+    assert [t.token_id for t in got] == IDS_PROMPT[1:]
+    for token, ref in zip(got, want.prompt_logprobs[1:]):
+        assert list(token.top_token_ids) == ref.top_ids
+        assert abs(token.logprob - ref.logprob) < 1e-4
+
+
 def test_client_disconnect_aborts_upstream(cluster: Cluster) -> None:
     body = {"model": MODEL, "prompt": IDS_PROMPT, "max_tokens": 400, "ignore_eos": True,
             "stream": True}  # fmt: skip
