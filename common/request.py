@@ -105,6 +105,7 @@ class Request:
         # speculation back-off (``common/spec_decode/rejection.py``): verifications in a row
         # with no draft accepted, and the output count before which no drafts are proposed
         self.spec_misses = 0
+        self.spec_lookup_misses = 0  # prompt lookups in a row that found nothing (ngram)
         self.spec_resume_at = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
         self.num_preemptions = 0

@@ -42,7 +42,16 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
     return tokens[start + np.arange(k) % period]  # with the drafts appended would find)
 
 
+MAX_LOOKUP_SKIP = 8  # output tokens without a lookup after lookups that keep finding nothing
+
+
 class NgramProposer:
+    """Prompt lookup per decoding request. A lookup costs O(context) host time every step (~0.1
+    ms for a few hundred tokens), so after ``n`` lookups in a row that found no match a request
+    skips the next ``min(2 ** (n - 1), MAX_LOOKUP_SKIP)`` tokens' lookups (``spec_resume_at``,
+    shared with the verification back-off); a match resets it. The cap is small: text starts
+    repeating itself suddenly (a copied passage), and a skipped lookup only loses drafts."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
@@ -50,7 +59,14 @@ class NgramProposer:
     def propose(self, requests: Iterable[Request]) -> None:
         for request in requests:
             k = wants_drafts(request, self.k)
-            if k:
-                tokens = np.asarray(request.all_token_ids, dtype=np.int64)
-                drafts = propose_ngram(tokens, k, self.n_min, self.n_max)
-                request.spec_token_ids = drafts.tolist()
+            if not k:
+                continue
+            tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+            drafts = propose_ngram(tokens, k, self.n_min, self.n_max)
+            request.spec_token_ids = drafts.tolist()
+            if request.spec_token_ids:
+                request.spec_lookup_misses = 0
+                continue
+            request.spec_lookup_misses += 1
+            skip = min(2 ** (request.spec_lookup_misses - 1), MAX_LOOKUP_SKIP)
+            request.spec_resume_at = request.num_output_tokens + skip

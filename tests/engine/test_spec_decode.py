@@ -11,7 +11,7 @@ from common.request import Request
 from common.sampling_params import SamplingParams
 from common.scheduler import SampledToken, Scheduler
 from common.spec_decode import SpeculativeConfig, num_accepted
-from common.spec_decode.ngram import propose_ngram
+from common.spec_decode.ngram import NgramProposer, propose_ngram
 from common.spec_decode.rejection import wants_drafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -130,6 +130,31 @@ def test_drafts_that_keep_missing_back_off_and_one_accepted_draft_resets():
     _verify(sched, req, [1, 2, 3], [1, 9, 9, 9])  # one accepted: the back-off ends
     assert (req.spec_misses, wants_drafts(req, 3)) == (0, 3)
     sched.check_integrity()
+
+
+def test_lookups_that_find_nothing_back_off_and_a_match_resets():
+    sched = _sched(num_blocks=64)
+    req = _decoding(sched, max_tokens=200)  # prompt 0..5, then 100: nothing repeats
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, 3, 1))
+    fresh = iter(range(200, 400))
+    skips = []
+
+    def decode(token: int) -> None:
+        out = sched.schedule()
+        sched.update_from_output(out, {"r": SampledToken(token)})
+
+    for _ in range(5):
+        while not wants_drafts(req, 3):
+            decode(next(fresh))
+        proposer.propose([req])
+        assert req.spec_token_ids == []
+        skips.append(req.spec_resume_at - req.num_output_tokens)
+    assert skips == [1, 2, 4, 8, 8]
+    while not wants_drafts(req, 3):
+        decode(next(fresh))
+    decode(3)  # a token seen before: the lookup finds "4 5 100 …" after it
+    proposer.propose([req])
+    assert req.spec_token_ids[:1] == [4] and req.spec_lookup_misses == 0
 
 
 def test_drafts_count_against_the_budget_and_max_tokens():
