@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -209,9 +210,13 @@ class ClusterConfig:
         return self.prefill + self.decode
 
     def gpu_ids(self) -> tuple[str, ...]:
-        """``--gpus``, or on CUDA every GPU found (``0…n-1``); none on CPU."""
+        """``--gpus``, or on CUDA the GPUs ``up`` itself may use: its ``CUDA_VISIBLE_DEVICES``
+        when set, else every GPU found (``0…n-1``); none on CPU."""
         if self.gpus or not self.device_name().startswith("cuda"):
             return self.gpus
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if visible:
+            return tuple(g.strip() for g in visible.split(",") if g.strip())
         return tuple(str(i) for i in range(count_gpus()))
 
     def max_gpu_slots(self) -> int:
@@ -294,7 +299,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     a("--device", default=d.device, help="auto, cpu, cuda (default auto)")
     a("--cpu-threads", type=int, default=d.cpu_threads, help="torch threads per CPU node")
-    a("--gpus", default="", help="GPU ids to spread nodes over, e.g. 0,1,2,3 (default: all)")
+    a(
+        "--gpus",
+        default="",
+        help="GPU ids to spread nodes over, e.g. 0,1,2,3 (default: CUDA_VISIBLE_DEVICES, else all)",
+    )
     a("--prefill-tp", type=int, default=d.prefill_tp,
       help="tensor-parallel size of each prefill node (its GPUs)")  # fmt: skip
     a("--decode-tp", type=int, default=d.decode_tp,

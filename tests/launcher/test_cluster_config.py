@@ -58,6 +58,13 @@ def test_tp_nodes_count_their_gpus() -> None:
     assert config("--device", "cpu", "--decode-tp", "2").gpu_ids() == ()  # CPU: gloo ranks
 
 
+def test_up_keeps_to_the_gpus_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --gpus: the GPUs of up's own CUDA_VISIBLE_DEVICES, not every device node."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert config("--device", "cuda").gpu_ids() == ("2", "3")
+    assert config("--device", "cuda", "--gpus", "5").gpu_ids() == ("5",)
+
+
 def test_the_router_autoscaler_counts_gpus_and_starts_tp_nodes(tmp_path: Path) -> None:
     from bench.slo import SLOConfig
     from router.autoscale.config import AutoscaleSettings, add_autoscale_arguments, build_actuator
