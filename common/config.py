@@ -190,6 +190,13 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in fields(cls)}
 
 
+def check_bind_host(host: str) -> None:
+    """A ``--host`` to bind: never empty (an empty host binds every interface without saying
+    so; ``0.0.0.0`` must be asked for by name, as compose does inside containers)."""
+    if not host.strip():
+        raise ValueError("--host is empty: give an address to bind (default 127.0.0.1)")
+
+
 def env_overrides(prefix: str = "PDSERVE_") -> dict[str, str]:
     """``PDSERVE_FOO_BAR=1`` → ``{"foo_bar": "1"}``; read once at start-up by the CLI."""
     return {k[len(prefix) :].lower(): v for k, v in os.environ.items() if k.startswith(prefix)}

@@ -8,6 +8,7 @@ no signal will ever come, which the child sees as a new parent pid, and it kills
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 from collections.abc import Callable
@@ -22,15 +23,18 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
+def _arm(prctl: Callable[..., int], parent_pid: int) -> None:
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before we asked: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def die_with(parent_pid: int) -> None:
     """Called in a child: SIGKILL this process when its parent exits (at once if ``parent_pid``
     is gone already). A no-op where ``prctl`` does not exist."""
     prctl = _prctl()
-    if prctl is None:
-        return
-    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if prctl is not None:
+        _arm(prctl, parent_pid)
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -40,11 +44,4 @@ def die_with_parent() -> Callable[[], None] | None:
     prctl = _prctl()
     if prctl is None:
         return None
-    parent, sigkill = os.getpid(), int(signal.SIGKILL)
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), sigkill)
-
-    return preexec
+    return functools.partial(_arm, prctl, os.getpid())

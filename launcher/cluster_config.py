@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bench.slo import parse_slo
+from common.config import check_bind_host
 from launcher.gpus import check_tp_fits
 from router.autoscale.policy import PoolLimits
 
@@ -153,6 +154,7 @@ class ClusterConfig:
     state_dir: str | None = None  # None: <cache dir>/clusters
 
     def __post_init__(self) -> None:
+        check_bind_host(self.host)
         if not (self.kv_store in KV_STORES or self.kv_store.startswith(KV_URL_SCHEMES)):
             raise ValueError(
                 f"--kv-store must be shm, file, redis or a store URL ({', '.join(KV_URL_SCHEMES)}"

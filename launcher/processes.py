@@ -186,7 +186,7 @@ def _signal_pid(pid: int, sig: int) -> None:
 
 def connect_host(host: str) -> str:
     """Where a process on this machine reaches a server bound to ``host`` (URL-ready)."""
-    if host in ("", "0.0.0.0"):
+    if host == "0.0.0.0":  # a wildcard someone asked for: reach it on loopback
         return "127.0.0.1"
     if host == "::":
         return "[::1]"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from common.config import EngineConfig, env_overrides
+from common.config import EngineConfig, check_bind_host, env_overrides
 from common.spec_decode.config import SpeculativeConfig
 
 PREFILL_PORT = 50061
@@ -72,6 +72,7 @@ class NodeOptions:
     speculative_config: str | None = None  # vLLM's JSON (decode nodes; a prefill makes 1 token)
 
     def __post_init__(self) -> None:
+        check_bind_host(self.host)
         if self.speculative_config:
             self.speculative()  # a bad JSON or config fails at start-up, with its reason
         if not self.kv_store:
@@ -117,7 +118,7 @@ class NodeOptions:
         if self.advertise_address:
             return self.advertise_address
         host = self.host
-        if host in ("0.0.0.0", "::", ""):
+        if host in ("0.0.0.0", "::"):  # asked for by name (compose, inside a container)
             try:
                 host = socket.gethostbyname(socket.gethostname())
             except OSError:  # an unresolvable hostname: let the router resolve it

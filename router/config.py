@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from bench.slo import SLOConfig, parse_slo
-from common.config import env_overrides
+from common.config import check_bind_host, env_overrides
 from router.balancer import DECODE_POLICIES, PREFILL_POLICIES
 
 
@@ -62,6 +62,7 @@ class RouterConfig:
     slo_window_s: float = 60.0
 
     def __post_init__(self) -> None:
+        check_bind_host(self.host)
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill policy must be one of {sorted(PREFILL_POLICIES)}")
         if self.decode_policy not in DECODE_POLICIES:

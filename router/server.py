@@ -63,8 +63,8 @@ def main(args: argparse.Namespace) -> int:
     keep_torch_out()
     import uvloop
 
-    config = RouterConfig.from_args(args)
     try:
+        config = RouterConfig.from_args(args)
         autoscale = AutoscaleSettings.from_args(args, config.slo)
     except ValueError as exc:
         raise SystemExit(f"pdserve router: {exc}") from None

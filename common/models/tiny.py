@@ -26,6 +26,7 @@ directory at the target path is complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -213,38 +214,21 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         chat_template=_CHATML_TEMPLATE,
         extra_tokens=("<|im_start|>", "<|im_end|>"),
     ),
-    # Qwen3's shape in small: head_dim (64) wider than hidden / heads (32), GQA, no qkv bias
-    "tiny-qwen3": TinyModelSpec(
-        name="tiny-qwen3",
-        arch="qwen3",
-        config=dict(
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
-            attention_bias=False,
-            use_sliding_window=False,
-        ),
-        seed=5678,
-        trained_vocab=1400,
-        pretokenizer="qwen2",
-        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        specials_first=False,
-        bos=None,
-        eos="<|im_end|>",
-        pad="<|endoftext|>",
-        unk=None,
-        add_bos=False,
-        chat_template=_CHATML_TEMPLATE,
-        extra_tokens=("<|im_start|>", "<|im_end|>"),
-    ),
 }
+# Qwen3's shape in small: head_dim (64) wider than hidden / heads (32), GQA, no qkv bias; the
+# tokenizer and chat format are tiny-qwen2's
+TINY_MODELS["tiny-qwen3"] = dataclasses.replace(
+    TINY_MODELS["tiny-qwen2"],
+    name="tiny-qwen3",
+    arch="qwen3",
+    config={
+        **TINY_MODELS["tiny-qwen2"].config,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "attention_bias": False,
+    },
+    seed=5678,
+)
 
 
 def resolve_model_path(name_or_path: str) -> Path:

@@ -164,6 +164,7 @@ def test_serving_flags_reach_the_router() -> None:
         ("--max-num-seqs", "0"),
         ("--device", "cuda", "--gpus", "0,1", "--decode-tp", "3"),
         ("--prefill-tp", "0"),
+        ("--host", ""),
     ],
 )
 def test_bad_flags_are_refused(argv: tuple[str, ...]) -> None:

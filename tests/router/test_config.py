@@ -36,7 +36,8 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     "argv",
     [["--tls-cert", "c.pem"], ["--tls-client-ca", "ca.pem"], ["--node-tls-cert", "c.pem"],
-     ["--heartbeat-interval", "5", "--heartbeat-timeout", "2"], ["--max-inflight", "0"]],
+     ["--heartbeat-interval", "5", "--heartbeat-timeout", "2"], ["--max-inflight", "0"],
+     ["--host", ""]],
 )  # fmt: skip
 def test_invalid_combinations(argv: list[str]) -> None:
     with pytest.raises(ValueError):

@@ -38,6 +38,8 @@ def test_bad_options_are_clear() -> None:
         _parse([], {})
     with pytest.raises(ValueError, match="PDSERVE_PORT"):
         _parse(["--kv-store", "file:///tmp/x"], {"port": "http"})
+    with pytest.raises(ValueError, match="--host is empty"):  # would bind every interface
+        _parse(["--kv-store", "file:///tmp/x", "--host", " "], {})
 
 
 def test_tensor_parallel_size_flag() -> None:
