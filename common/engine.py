@@ -31,6 +31,7 @@ import torch
 from common.config import EngineConfig
 from common.kv_cache_manager import KVCacheManager, cdiv
 from common.kv_connector import KVHandle
+from common.memory_profile import KVReserve
 from common.model_runner import ModelRunner, StepResult
 from common.models.loader import read_hf_config
 from common.models.tiny import resolve_model_path
@@ -85,7 +86,9 @@ class EngineCore:
         self._seeds = random.Random(config.model.seed)
         overlap = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
-        self.proposer = make_proposer(config.speculative_config, config, self.max_model_len)
+        self.proposer = make_proposer(
+            config.speculative_config, config, self.max_model_len, self.runner.num_blocks
+        )
         if self.proposer is not None:
             check_vocab = getattr(self.proposer, "check_vocab", None)
             if check_vocab is not None:
@@ -103,6 +106,7 @@ class EngineCore:
             config=self.config.runner_config(),
             cache_config=self.config.cache,
             max_model_len=self.max_model_len,
+            reserve=self._draft_reserve(),
         )
         size = self.config.tensor_parallel_size
         if size == 1:
@@ -112,6 +116,16 @@ class EngineCore:
         return start_tensor_parallel(
             size, self.model_dir, self.hf_config, cpu_threads=self.config.cpu_threads, **args
         )
+
+    def _draft_reserve(self) -> KVReserve | None:
+        """A draft model's share of the device, reserved before the target sizes its cache
+        (the draft loads after it, beside rank 0, with as many blocks)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from common.spec_decode.draft_model import draft_footprint
+
+        return draft_footprint(spec, self.config)
 
     def _max_model_len(self) -> int:
         limit = int(self.hf_config.get("max_position_embeddings", 2048))

@@ -12,6 +12,7 @@ exists, so nothing is guessed from the model's shape.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,10 +29,24 @@ logger = logging.getLogger(__name__)
 _MARGIN = 512 * 2**20  # CUDA context growth, cuBLAS workspaces, fragmentation
 
 
+@dataclass(frozen=True)
+class KVReserve:
+    """What a second model on the same device takes from the engine's KV budget (a draft
+    model, as vLLM reserves for its drafter): its weights, not yet loaded when the target sizes
+    its cache, and its KV bytes for every block of the target's (the draft's cache has the
+    same block count, so the two are sized together)."""
+
+    weight_bytes: int
+    bytes_per_block: int
+
+
 def cuda_kv_budget(runner: ModelRunner, utilization: float) -> int:
     """Bytes the KV cache may use on ``runner.device``. Raises ValueError when none are left."""
     dev = runner.device
     torch.cuda.synchronize(dev)
+    # blocks freed while loading stay in the allocator's cache, and reserved memory counts
+    # them: release them first, so what counts as held is what the weights really hold
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
     held = torch.cuda.memory_reserved(dev)  # the weights, mostly
     cfg = runner.config

@@ -25,6 +25,7 @@ from common.config import CacheConfig, RunnerConfig
 from common.cuda_graphs import DecodeGraphs
 from common.host_memory import keep_freed_host_memory, zeros_on_huge_pages
 from common.kv_connector import ConnectorHooks, ConnectorMetadata, KVConnectorWorker
+from common.memory_profile import KVReserve
 from common.models.llama import LlamaForCausalLM
 from common.models.loader import build_model, resolve_dtype
 from common.parallel.group import TensorParallel
@@ -56,9 +57,23 @@ class KVCacheSpec:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when there is one, else the CPU. A CUDA device always has its index
+    (``cuda`` is the current device), so kernels, streams and events can be bound to it."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (a no-op on the CPU, or when it is
+    already). Triton launches, ``torch.cuda.Event()`` and the current stream follow the current
+    device, not a tensor's: an engine on ``cuda:1`` that did not bind it would launch its
+    kernels and record its step events on device 0."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
 
 
 class StepResult:
@@ -90,7 +105,7 @@ class StepResult:
         if tensors and tensors[0].device.type == "cuda":
             tensors = [_to_pinned(t) for t in tensors]
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(sampled.token_ids.device))
         it = iter(tensors)
         self._host = SamplerOutput._make(next(it) if t is not None else None for t in sampled)
 
@@ -141,12 +156,16 @@ class ModelRunner:
         cache_config: CacheConfig,
         max_model_len: int,
         tp: TensorParallel | None = None,
+        reserve: KVReserve | None = None,
     ) -> None:
         """``tp``: this runner is one rank of a tensor-parallel group (``common/parallel/``)
-        and holds that rank's shard of the weights and KV heads."""
+        and holds that rank's shard of the weights and KV heads. ``reserve``: a draft model's
+        share of this device, taken out of the KV budget before the cache is sized."""
         self.config = config
         self.tp = tp
+        self.reserve = reserve
         self.device = resolve_device(config.device)
+        bind_device(self.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # process-wide; see common/host_memory.py
         self.dtype = resolve_dtype(config.dtype, hf_config)
@@ -211,17 +230,22 @@ class ModelRunner:
         self.hooks = ConnectorHooks(connector)
 
     def _num_blocks(self, cfg: CacheConfig) -> int:
+        """Blocks the cache gets: ``num_blocks``, or what fits in ``kv_cache_memory_gb``, the
+        profiled GPU budget or the CPU default. A draft model's ``reserve`` shares the budget:
+        its weights come out of the GPU budget (they load after this), and every block is
+        counted with the draft's KV bytes too (its cache gets the same block count)."""
         if cfg.num_blocks is not None:
             return cfg.num_blocks
+        reserve = self.reserve or KVReserve(0, 0)
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
             from common.memory_profile import cuda_kv_budget
 
-            budget = cuda_kv_budget(self, cfg.gpu_memory_utilization)
+            budget = cuda_kv_budget(self, cfg.gpu_memory_utilization) - reserve.weight_bytes
         else:
             budget = _CPU_DEFAULT_KV_GB * 2**30
-        num_blocks = max(1, int(budget // self.spec.bytes_per_block))
+        num_blocks = max(1, int(budget // (self.spec.bytes_per_block + reserve.bytes_per_block)))
         if self.tp is not None:  # every rank the same count: the smallest
             from common.parallel.executor import agree_on_min
 
@@ -232,6 +256,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult | None:
         """Launch one step. Returns its sampled tokens (still on their way) or None."""
+        bind_device(self.device)  # another engine of this process may have bound its own
         hidden, inputs = self._forward(out)
         prompt = compute_prompt_logprobs(hidden, out.scheduled, self.model.compute_logits)
         if not inputs.num_logits_rows:  # a step of prompt chunks only: nothing sampled

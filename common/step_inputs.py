@@ -174,7 +174,7 @@ class InputBuffers:
             self.int64.copy_(host64, non_blocking=True)
             self.int32[:used32].copy_(host32[:used32], non_blocking=True)
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(self.device))  # this device's, by name
             self._copied[k] = copied
         views = self.views(num_tokens, num_seqs, stride)
         o = self.off

@@ -131,7 +131,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
     return torch.where(medium, smoothed, scaled)
 
 
@@ -144,9 +144,19 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, args: LlamaArgs, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), -1), False)
+        self.args, self.max_positions = args, max_positions
+        self.register_buffer("cos_sin_cache", self._table(torch.float32), False)
+
+    def fill(self, dtype: torch.dtype) -> None:
+        """Recompute the table on the current default device in ``dtype`` (after the module
+        was built on ``meta`` and given storage, the buffer holds no values)."""
+        self.cos_sin_cache = self._table(dtype)
+
+    def _table(self, dtype: torch.dtype) -> torch.Tensor:
+        a = self.args
+        inv_freq = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), -1).to(dtype)  # (max_pos, D)
 
 
 def local_heads(args: LlamaArgs, tp: TensorParallel | None) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from common.attention import AttentionBackend
@@ -71,9 +72,8 @@ def build_model(
     if tp is not None:
         check_divisible(tp.size, args.num_heads, args.num_kv_heads, args.intermediate_size)
     start = time.perf_counter()
-    with torch.device(device):
-        model = LlamaForCausalLM(args, backend, max_positions, tp)
-    model.to(dtype)  # the rotary table too: fp32 values cast once, as HF casts them per use
+    model = build_on_meta(args, backend, max_positions, tp)
+    materialize(model, dtype, device)
     if load_format == "dummy":
         _fill_dummy(model, seed)
     else:
@@ -83,14 +83,41 @@ def build_model(
     return model
 
 
+def build_on_meta(
+    args: LlamaArgs, backend: AttentionBackend, max_positions: int, tp: TensorParallel | None
+) -> LlamaForCausalLM:
+    """The model's modules with ``meta`` parameters: shapes only, nothing allocated or
+    initialised (``materialize`` gives it storage)."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(args, backend, max_positions, tp)
+
+
+def materialize(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """Give a model built on ``meta`` its storage: every parameter allocated once, on
+    ``device``, in ``dtype``, uninitialised (the checkpoint or the dummy fill writes each one),
+    so loading never holds more than the model's size in its dtype on the device. A tied
+    parameter stays one tensor; the rotary table is computed on ``device`` in fp32, then cast
+    (the values a model built there had before)."""
+    made: dict[int, nn.Parameter] = {}  # a tied parameter is one object: made once
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in made:
+                data = torch.empty(param.shape, dtype=dtype, device=device)
+                made[id(param)] = nn.Parameter(data, requires_grad=False)
+            setattr(module, name, made[id(param)])
+    with torch.device(device):
+        model.rotary.fill(dtype)
+
+
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    """Small random weights for benchmark shapes (no checkpoint needed)."""
+    """Small random weights for benchmark shapes (no checkpoint needed): drawn in fp32 on the
+    host from one seeded stream, cast there, then copied (the device holds only the result)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
         values = torch.empty(param.shape).uniform_(-0.02, 0.02, generator=gen)
         if name.endswith("norm.weight"):  # every RMSNorm (Qwen3's q_norm/k_norm too): ones
             values = torch.ones(param.shape)
-        param.data.copy_(values)
+        param.data.copy_(values.to(param.dtype))
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -189,7 +216,7 @@ def _copy_into(
         dst = param.data[begin : begin + sizes[shard]]
     if dst.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} for {tuple(dst.shape)}")
-    dst.copy_(tensor)
+    dst.copy_(tensor.to(dst.dtype))  # cast on the host: no wider copy on the device
 
 
 def _check_complete(params: Mapping[str, torch.Tensor], loaded: set[str], args: LlamaArgs) -> None:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import CacheConfig, RunnerConfig
+from common.memory_profile import KVReserve
 from common.model_runner import ModelRunner
 from common.parallel.block_exchange import collect, land
 from common.parallel.group import (
@@ -251,8 +252,10 @@ def start_tensor_parallel(
     cache_config: CacheConfig,
     max_model_len: int,
     cpu_threads: int | None,
+    reserve: KVReserve | None = None,
 ) -> ParallelModelRunner:
-    """Spawn ranks 1…size-1, join the group as rank 0 and build rank 0's runner."""
+    """Spawn ranks 1…size-1, join the group as rank 0 and build rank 0's runner
+    (``reserve``: a draft model beside rank 0; the ranks agree on the smallest block count)."""
     store = rendezvous_store(0, size, TIMEOUT_S)
     ctx = mp.get_context("spawn")
     plain = {
@@ -287,6 +290,7 @@ def start_tensor_parallel(
             cache_config=cache_config,
             max_model_len=max_model_len,
             tp=tp,
+            reserve=reserve,
             workers=workers,
         )
     except BaseException:

@@ -14,15 +14,40 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
+import torch
+
 from common.config import EngineConfig, ModelConfig
+from common.memory_profile import KVReserve
+from common.models.llama import LlamaArgs
+from common.models.loader import build_on_meta, read_hf_config, resolve_dtype
+from common.models.tiny import resolve_model_path
 from common.request import Request
 from common.sampling_params import SamplingParams
 from common.spec_decode.config import SpeculativeConfig
 from common.spec_decode.rejection import wants_drafts
 
 
+def draft_footprint(config: SpeculativeConfig, target: EngineConfig) -> KVReserve:
+    """The draft's weights and KV bytes per block, from its config alone (its shapes built on
+    ``meta``): what the target's cache sizing must leave for it before either cache exists."""
+    assert config.model is not None
+    model_dir = resolve_model_path(config.model)
+    hf_config = read_hf_config(model_dir)
+    dtype = resolve_dtype(target.model.dtype, hf_config)
+    args = LlamaArgs.from_hf(hf_config)
+    model = build_on_meta(args, None, 1, None)  # type: ignore[arg-type]  # shapes only
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = {id(p): p.numel() for p in model.parameters()}  # a tied tensor once
+    per_block = args.num_layers * 2 * target.cache.block_size * args.num_kv_heads * args.head_dim
+    return KVReserve(sum(weights.values()) * elem, per_block * elem)
+
+
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, target: EngineConfig, max_model_len: int):
+    """``num_blocks``: the draft's cache, sized with the target's (never more blocks)."""
+
+    def __init__(
+        self, config: SpeculativeConfig, target: EngineConfig, max_model_len: int, num_blocks: int
+    ):
         from common.engine import EngineCore  # the nested engine (engine.py imports us)
 
         assert config.model is not None
@@ -31,6 +56,7 @@ class DraftModelProposer:
         draft_config = dataclasses.replace(
             target,
             model=ModelConfig(config.model, target.model.dtype, max_model_len=max_model_len),
+            cache=dataclasses.replace(target.cache, num_blocks=num_blocks),
             kv_store=None,
             kv_role=None,
             enforce_eager=True,

@@ -68,8 +68,9 @@ def wants_drafts(request: Request, k: int) -> int:
 
 
 def make_proposer(
-    config: SpeculativeConfig | None, engine: EngineConfig, max_model_len: int
+    config: SpeculativeConfig | None, engine: EngineConfig, max_model_len: int, num_blocks: int
 ) -> Proposer | None:
+    """``num_blocks``: the target's KV cache blocks (a draft model's cache gets as many)."""
     if config is None:
         return None
     if config.method == "ngram":
@@ -78,4 +79,4 @@ def make_proposer(
         return NgramProposer(config)
     from common.spec_decode.draft_model import DraftModelProposer
 
-    return DraftModelProposer(config, engine, max_model_len)
+    return DraftModelProposer(config, engine, max_model_len, num_blocks)
