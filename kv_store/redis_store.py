@@ -52,7 +52,9 @@ from kv_store.redis_wire import (
     Failure,
     GetCommand,
     KeyCommand,
+    RawWireUnsupported,
     SetCommand,
+    check_raw_wire,
     exchange,
     split_batch,
 )
@@ -214,6 +216,11 @@ class RedisStore(KVStore):
         self._fp_digest = entry.fingerprint_digest(fingerprint)
         self._prefix = f"{entry.KEY_PREFIX}:{fingerprint}:"
         self._topology = open_topology(options.url, socket_timeout_s, connect_timeout_s)
+        try:
+            check_raw_wire(self._topology.routes([b"pdkv:probe"], [0])[0].pool)
+        except RawWireUnsupported:
+            self._topology.close()
+            raise
         self._counters = Counters()
         self._warn = RateLimitedWarning(logger)
         self._local = threading.local()  # per-thread reply scratch buffer

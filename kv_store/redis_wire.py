@@ -341,5 +341,32 @@ def _socket_of(conn: object) -> socket.socket:
     """The socket of a checked-out (hence connected) redis-py connection."""
     sock = getattr(conn, "_sock", None)
     if sock is None:
-        raise redis.ConnectionError("pooled connection has no socket")
+        raise redis.ConnectionError(_NO_SOCKET)
     return sock
+
+
+_NO_SOCKET = "pooled connection has no socket"
+
+
+class RawWireUnsupported(RuntimeError):
+    """This redis-py does not expose a connection's socket: the raw wire cannot run on it."""
+
+
+def check_raw_wire(pool: redis.ConnectionPool | None) -> None:
+    """Refuse, in one line, a redis-py whose connections do not keep their socket where the
+    raw wire reads it (``Connection._sock``, a private attribute): without this check every
+    exchange would fail as a lost connection, every load would be a miss and every prompt
+    recomputed, silently. Checked on the connection class, then with one round trip when the
+    server answers (a server not up yet is not this check's business: the store retries)."""
+    version = getattr(redis, "__version__", "?")
+    hint = (
+        f"redis-py {version} keeps no socket in Connection._sock, which pdserve's raw Redis"
+        " wire needs: install a redis-py in the range pyproject.toml names"
+    )
+    if pool is None:  # a cluster whose slots are not known yet
+        return
+    if "_sock" not in vars(pool.connection_class()):
+        raise RawWireUnsupported(hint)
+    replies = exchange(pool, KeyCommand(b"EXISTS", [b"pdkv:probe"]), [0], bytearray(SCRATCH_BYTES))
+    if isinstance(replies[0], Failure) and replies[0].message == _NO_SOCKET:
+        raise RawWireUnsupported(hint)

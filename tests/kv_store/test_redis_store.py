@@ -398,3 +398,37 @@ def _wait_for_tls(port: int, tls: TLSFiles) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+class _SocketElsewhere(redis.Connection):
+    """A redis-py that keeps its socket under another name (as a release may): the raw wire
+    finds none where it reads it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        del self._sock
+
+
+def test_a_redis_py_without_the_socket_is_refused_at_open(redis_server: RedisServer) -> None:
+    """Every load would silently be a miss (every prompt recomputed): refused in one line."""
+    pool = redis.ConnectionPool(
+        host="127.0.0.1", port=redis_server.port, connection_class=_SocketElsewhere
+    )
+    with pytest.raises(redis_wire.RawWireUnsupported, match="Connection._sock"):
+        redis_wire.check_raw_wire(pool)
+
+
+def test_the_raw_wire_is_checked_with_one_round_trip(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The class looks right but its connected socket is not where it was: the probe's
+    exchange finds no socket, and the store refuses to open."""
+    real_connect = redis.Connection.connect
+
+    def connect_and_hide(self) -> None:
+        real_connect(self)
+        self._hidden, self._sock = self._sock, None
+
+    monkeypatch.setattr(redis.Connection, "connect", connect_and_hide)
+    with pytest.raises(redis_wire.RawWireUnsupported, match="redis-py"):
+        RedisStore(redis_server.url, FP)
