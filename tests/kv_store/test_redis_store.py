@@ -414,7 +414,7 @@ def test_a_redis_py_without_the_socket_is_refused_at_open(redis_server: RedisSer
     pool = redis.ConnectionPool(
         host="127.0.0.1", port=redis_server.port, connection_class=_SocketElsewhere
     )
-    with pytest.raises(redis_wire.RawWireUnsupported, match="Connection._sock"):
+    with pytest.raises(redis_wire.RawWireUnsupported, match=r"Connection\._sock"):
         redis_wire.check_raw_wire(pool)
 
 
