@@ -100,7 +100,7 @@ class ArenaStore(KVStore):
         fingerprint: layout fingerprint; stored in the file and in every entry header.
         payload_bytes: size of every payload. Needed to create the arena; an existing arena
             has its own, and a different value is an `ArenaGeometryError`.
-        capacity_bytes: slot bytes when creating (default a quarter of the filesystem). For an
+        capacity_bytes: slot bytes when creating (default `default_capacity`). For an
             existing arena: None takes its size; a value giving another slot count is an error.
         workers: threads that split each batch's copies (default `default_workers()`).
     """

@@ -68,7 +68,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BASE = "/dev/shm/pdserve"
 FINGERPRINT_FILE = "FINGERPRINT"  # the namespace's fingerprint in clear, for operators and the CLI
-DEFAULT_CAPACITY_FRACTION = 0.25  # of the filesystem's size, when no capacity is given
+# a store given no capacity: a quarter of the free space of its filesystem, at most 4 GiB
+DEFAULT_CAPACITY_FRACTION = 0.25
+DEFAULT_CAPACITY_CAP = 4 * 2**30
 _STALE_TEMP_S = 600.0  # a temp file this old belongs to a writer that died
 _FANOUT = [f"{i:02x}" for i in range(256)]
 
@@ -79,10 +81,22 @@ def default_root(fingerprint: str, base: str | os.PathLike[str] = DEFAULT_BASE) 
 
 
 def default_capacity(directory: Path) -> int:
-    """The capacity of a store given none: DEFAULT_CAPACITY_FRACTION of the filesystem that
-    holds `directory`."""
+    """The capacity of a store given none: DEFAULT_CAPACITY_FRACTION of the space free now on
+    the filesystem that holds `directory` (not of its size: a quarter of a half-full disk, or
+    of RAM-backed /dev/shm, is not there to take), capped at DEFAULT_CAPACITY_CAP. Said in one
+    log line, with how to choose another."""
     st = os.statvfs(directory)
-    return int(st.f_frsize * st.f_blocks * DEFAULT_CAPACITY_FRACTION)
+    free = st.f_frsize * st.f_bavail
+    capacity = min(int(free * DEFAULT_CAPACITY_FRACTION), DEFAULT_CAPACITY_CAP)
+    logger.info(
+        "KV store in %s: no capacity given, using %.2f GiB (a quarter of the %.1f GiB free, at"
+        " most %d GiB; set ?capacity=SIZE in the store URL)",
+        directory,
+        capacity / 2**30,
+        free / 2**30,
+        DEFAULT_CAPACITY_CAP // 2**30,
+    )
+    return capacity
 
 
 def make_private_dir(path: Path) -> None:
@@ -98,7 +112,7 @@ class FileStore(KVStore):
     Args:
         root: the namespace directory (see `default_root`); created 0700 if missing.
         fingerprint: layout fingerprint; stored in every header and checked on every read.
-        capacity_bytes: bound on committed entry bytes; default a quarter of the filesystem.
+        capacity_bytes: bound on committed entry bytes; default `default_capacity`.
         fsync: fsync each entry before it is committed (pointless on tmpfs, so off by default).
         workers: threads that split each batch (default `default_workers()`; 1 = no threads).
     """

@@ -4,16 +4,18 @@ order, parallel batches and their index bookkeeping, permissions."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import stat
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from kv_store import HEADER_SIZE, FileStore, entry, open_store
+from kv_store import HEADER_SIZE, FileStore, entry, file_store, open_store
 from kv_store.file_store import default_root
 from tests.kv_store import block_key, payload_for
 
@@ -322,3 +324,31 @@ def test_file_url_options(tmp_path: Path) -> None:
         assert isinstance(s, FileStore)
         assert (s.workers, s.capacity_bytes) == (3, 1 << 20)
         assert _put(s, [block_key(FP, 0)]) == [True]  # payload_bytes is the arena's business
+
+
+class _StatVFS(NamedTuple):
+    f_frsize: int
+    f_blocks: int
+    f_bavail: int
+
+
+@pytest.mark.parametrize(
+    "size_gib, free_gib, expected_gib",
+    [
+        (100, 2, 0.5),  # a nearly full disk: a quarter of what is free, not of its size
+        (24, 20, 4),  # RAM-backed /dev/shm on a 24 GiB box: capped (was 6 GiB)
+        (1000, 900, 4),
+    ],
+)
+def test_default_capacity_is_a_capped_share_of_free_space(
+    monkeypatch, tmp_path, caplog, size_gib, free_gib, expected_gib
+):
+    gib = 2**30
+    monkeypatch.setattr(
+        file_store.os,
+        "statvfs",
+        lambda _: _StatVFS(4096, size_gib * gib // 4096, free_gib * gib // 4096),
+    )
+    with caplog.at_level(logging.INFO, logger=file_store.__name__):
+        assert file_store.default_capacity(tmp_path) == int(expected_gib * gib)
+    assert "?capacity=" in caplog.text  # one line says what it took and how to change it
