@@ -178,6 +178,9 @@ class StoreConnectorScheduler(KVConnectorScheduler):
             entries.append((key, n))
             total += n
         ids = block_ids[first : first + len(entries)]
+        # blocks that come from the store are not saved back to it (gathered, copied to the
+        # host, then found present): this request's saves start after them
+        self._saved[request.request_id] = first + len(entries)
         self._loads.append(
             LoadSpec(request.request_id, [k for k, _ in entries], ids, [n for _, n in entries])
         )
@@ -195,7 +198,10 @@ class StoreConnectorScheduler(KVConnectorScheduler):
     def _save_spec(self, request: Request, num_new: int, block_ids: list[int]) -> SaveSpec | None:
         """Prompt entries whose tokens are all computed once this step's forward pass is done."""
         done = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-        start = self._saved.get(request.request_id, 0)
+        # below what was saved or loaded only when blocks are recomputed (a failed load)
+        start = min(
+            self._saved.get(request.request_id, 0), request.num_computed_tokens // self.block_size
+        )
         ready = done // self.block_size
         if done == request.num_prompt_tokens:
             ready = -(-done // self.block_size)  # the final partial block is complete too

@@ -141,6 +141,8 @@ class StoreConnectorWorker(KVConnectorWorker):
         self._landing: list[_Staged] = []
         self._landing_events: list[torch.cuda.Event] = []
         self._releasing: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        # CUDA: per loading request, the event after its last scatter queued outside a forward
+        self._scattering: dict[str, torch.cuda.Event] = {}
         self._failed: set[int] = set()
         self.num_saved_blocks = self.num_loaded_blocks = self.num_failed_blocks = 0
 
@@ -152,6 +154,17 @@ class StoreConnectorWorker(KVConnectorWorker):
             for s in meta.saves
             for key, block, n in zip(s.keys, s.block_ids, s.num_tokens)
         ]
+        before = self.save_ring.num_slots
+        if self.save_ring.ensure_slots(-(-len(entries) // self.per_slot)):
+            logger.warning(
+                "one step saves %d KV blocks, more than %d staging slots of %d hold: the ring"
+                " grew to %d slots (%.0f MiB of host memory)",
+                len(entries),
+                before,
+                self.per_slot,
+                self.save_ring.num_slots,
+                self.save_ring.num_slots * self.save_ring.slot_bytes / 2**20,
+            )
         for lo in range(0, len(entries), self.per_slot):
             part = entries[lo : lo + self.per_slot]
             slot = self.save_ring.acquire()  # waits while the store is behind: back-pressure
@@ -429,8 +442,8 @@ class StoreConnectorWorker(KVConnectorWorker):
             for layer in range(self.spec.num_layers):
                 self._scatter_layer(layer, item)
             self.load_ring.release(item.slot)
-        else:
-            self._queue_landing([item])
+        else:  # nothing on the compute stream waits for these: remembered for an abort
+            self._scattering[item.request_id] = self._queue_landing([item])[-1]
             self._release_after_copy(item.slot)
 
     def _release_after_copy(self, slot: torch.Tensor) -> None:
@@ -452,11 +465,28 @@ class StoreConnectorWorker(KVConnectorWorker):
                     if request_id in self._loading:
                         self._cancelled.add(request_id)
             self._reads_may_start.set()
-        self._landing = [item for item in self._landing if item.request_id not in request_ids]
+        self._drop_ended_loads(request_ids)
         done_loading = self._drain_fetched()
         self._releasing = [(e, s) for e, s in self._releasing if not self._release_if_done(e, s)]
         done_saving, self._done_saving = self._done_saving, set()
         return done_saving, done_loading
+
+    def _drop_ended_loads(self, request_ids: set[str]) -> None:
+        """Ended requests' loads: a fetched part still waiting to land gives its staging slot
+        back (it would never land), and on CUDA the compute stream waits for every scatter
+        already queued into their blocks, which the scheduler is about to hand to new owners
+        (whose writes, on the compute stream, must come after)."""
+        keep = []
+        for item in self._landing:
+            if item.request_id in request_ids:
+                self.load_ring.release(item.slot)
+            else:
+                keep.append(item)
+        self._landing = keep
+        for request_id in request_ids:
+            scattered = self._scattering.pop(request_id, None)
+            if scattered is not None:
+                torch.cuda.current_stream(self.device).wait_event(scattered)
 
     def _drain_fetched(self) -> set[str]:
         done: set[str] = set()
@@ -484,8 +514,9 @@ class StoreConnectorWorker(KVConnectorWorker):
                 self._land_now(item)
                 if item.last:
                     done.add(item.request_id)
-            elif item.last:
+            elif item.last:  # lands in the next pass, whose layers wait for it (and before)
                 self._landing.append(item)
+                self._scattering.pop(item.request_id, None)
                 done.add(item.request_id)
             else:
                 self._land_now(item)

@@ -14,7 +14,9 @@ on-store layout stays ``(L, 2, bs, Hkv, D)`` per block.
 
 Pinned memory is slow to allocate (the driver pins page by page), so slots are made on first
 use and recycled forever. ``acquire`` blocks while every slot is taken: that is the back-pressure
-that keeps a producer from outrunning its store with unbounded memory.
+that keeps a producer from outrunning its store with unbounded memory. A step takes all its
+slots before its forward pass and gives them back only after it, so the ring grows (with a
+warning) to what one step needs: waiting for a slot only that step could free never ends.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ class StagingRing:
 
     def release(self, slot: torch.Tensor) -> None:
         self._free.put(slot)
+
+    def ensure_slots(self, needed: int) -> bool:
+        """Let the ring hold at least ``needed`` slots (the most one step takes at once): a
+        step that needs more slots than exist would wait for its own, forever. Returns whether
+        it grew (the caller warns: staging memory is larger than configured)."""
+        with self._lock:
+            if needed <= self.num_slots:
+                return False
+            self.num_slots = needed
+            return True
 
     @property
     def num_allocated(self) -> int:
