@@ -1,7 +1,11 @@
 """``pdserve down``: stop the clusters ``pdserve up`` left running, from their state files.
 
-    pdserve down                 # every cluster recorded in the state dir
-    pdserve down --pid 12345     # the cluster of the `up` process 12345
+    pdserve down                 # orphans only: clusters whose `up` is gone
+    pdserve down --pid 12345     # the cluster of the `up` process 12345, running or not
+    pdserve down --all           # every cluster recorded, running ones too
+
+A cluster whose ``up`` still runs is someone's live cluster: plain ``down`` reports it and
+leaves it alone (stop it with Ctrl-C in its terminal, ``--pid`` or ``--all``).
 
 For each cluster: if its `up` still runs, it gets SIGTERM and ``--timeout`` seconds to stop the
 cluster gracefully (as Ctrl-C would), then SIGKILL. Then whatever of the cluster is still alive
@@ -29,8 +33,19 @@ _POLL_S = 0.1
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Add the ``down`` subcommand."""
-    parser = subparsers.add_parser("down", help="stop clusters left running by pdserve up")
-    parser.add_argument("--pid", type=int, default=None, help="only the cluster of this `up` pid")
+    parser = subparsers.add_parser(
+        "down",
+        help="stop orphaned clusters of pdserve up (whose up is gone); --all or --pid for"
+        " running ones",
+        description="Stop the clusters of `pdserve up` whose `up` process is gone (orphans) and"
+        " remove their files. A cluster whose `up` still runs is left alone unless --all or"
+        " --pid names it.",
+    )
+    selection = parser.add_mutually_exclusive_group()
+    selection.add_argument("--pid", type=int, default=None,
+                           help="only the cluster of this `up` pid, running or not")  # fmt: skip
+    selection.add_argument("--all", action="store_true",
+                           help="every recorded cluster, running ones too")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a running `up` gets to stop its cluster (default 60)")  # fmt: skip
     parser.add_argument("--state-dir", default=None,
@@ -45,6 +60,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdserve down: no cluster recorded in {state_dir}")
         return 0
     for path, state in clusters:
+        if args.pid is None and not args.all and state.up_alive():
+            print(
+                f"pdserve down: cluster of up pid {state.up_pid} is running: left alone"
+                f" (pdserve down --pid {state.up_pid} stops it)",
+                flush=True,
+            )
+            continue
         print(f"pdserve down: {stop_cluster(path, state, args.timeout)}", flush=True)
     return 0
 

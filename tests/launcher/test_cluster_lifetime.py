@@ -85,7 +85,10 @@ def test_engine_flags_reach_the_nodes_and_down_stops_the_cluster(tmp_path: Path)
             refused = client.post("/v1/completions", json=long)
             assert refused.status_code == 400 and "512" in refused.text, refused.text
         workdir = up.workdir()
-        done = _pdserve("down", "--state-dir", str(up.state_dir), timeout_s=180.0)
+        spared = _pdserve("down", "--state-dir", str(up.state_dir), timeout_s=180.0)
+        assert spared.returncode == 0 and "is running: left alone" in spared.stdout, spared
+        assert up.proc.poll() is None  # plain `down` stops orphans only
+        done = _pdserve("down", "--all", "--state-dir", str(up.state_dir), timeout_s=180.0)
         assert done.returncode == 0 and "(up stopped it)" in done.stdout, done
         assert up.wait_exit() == 0, up.output  # a graceful stop, as on Ctrl-C
     except BaseException:

@@ -228,6 +228,34 @@ def test_pdserve_down_stops_a_left_cluster(tmp_path: Path) -> None:
     assert "no cluster recorded" in again.stdout
 
 
+def test_pdserve_down_leaves_running_clusters_alone(tmp_path: Path) -> None:
+    """Two clusters: one whose `up` is gone, one whose `up` runs (this test's process stands
+    in for it). Plain `down` stops the orphan only; `--pid` names the running one."""
+    orphan, procs = _left_cluster(tmp_path, _dead_pid())
+    live_dir = tmp_path / "live"
+    live_dir.mkdir()
+    me = os.getpid()
+    live = ClusterState(me, process_start_time(me), uuid.uuid4().hex, str(live_dir))
+    write_state(tmp_path / "state", live)
+    down = [sys.executable, "-m", "pdserve_cli", "down", "--state-dir", str(tmp_path / "state")]
+    try:
+        done = subprocess.run(
+            down, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"cluster of up pid {orphan.up_pid} (up was gone)" in done.stdout
+        assert f"cluster of up pid {me} is running: left alone" in done.stdout
+        assert [p.wait(timeout=10) for p in procs] == [-signal.SIGKILL] * 2
+        assert [s.up_pid for _, s in read_states(tmp_path / "state")] == [me]
+    finally:
+        for p in procs:
+            p.kill()
+    usage = subprocess.run(
+        [*down, "--all", "--pid", "1"], cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    assert usage.returncode == 2 and "not allowed with" in usage.stderr
+
+
 def test_state_json_is_plain(tmp_path: Path) -> None:
     path = write_state(tmp_path, ClusterState(1, 2, "m", "/w", "http://x", [3]))
     assert json.loads(path.read_text())["process_groups"] == [3]
