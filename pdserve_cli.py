@@ -35,7 +35,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "router": Subcommand("router.server", "gRPC + OpenAI HTTP front door"),
     "up": Subcommand("launcher.cluster", "start a whole cluster on this machine"),
-    "down": Subcommand("launcher.down", "stop clusters left running by pdserve up"),
+    "down": Subcommand(
+        "launcher.down", "stop orphaned clusters of pdserve up; --all or --pid for running ones"
+    ),
     "health": Subcommand("launcher.health_check", "probe a node (gRPC) or the router (HTTP)"),
     "bench": Subcommand("bench.load", "load-test a pdserve endpoint"),
 }
@@ -69,12 +71,22 @@ def _register(module_name: str, subparsers: argparse._SubParsersAction) -> bool:
     return True
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The sub-parser of ``command`` in ``parser``."""
+    for action in parser._actions:  # argparse keeps its sub-parsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise LookupError(command)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # First pass on placeholders only: finds the subcommand (or prints ``pdserve --help``).
     command = build_parser(commands=()).parse_known_args(argv)[0].command
     parser = build_parser(commands=[command])
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not pdserve's, says what it takes
+        _subparser(parser, command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not hasattr(args, "func"):
         parser.error(f"{command}: not installed in this build ({SUBCOMMANDS[command].module})")
     logging.basicConfig(

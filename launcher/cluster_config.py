@@ -77,6 +77,9 @@ class EngineFlags:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     speculative_config: str | None = None  # vLLM's JSON; the decode nodes use it
+    seed: int | None = None
+    enable_prefix_caching: bool | None = None  # --[no-]enable-prefix-caching
+    async_scheduling: bool | None = None  # --[no-]async-scheduling
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -105,6 +108,8 @@ class EngineFlags:
             flag = "--" + f.name.replace("_", "-")
             if value is True:
                 argv.append(flag)
+            elif value is False and f.default is None:  # said off, not merely left out
+                argv += [flag, "false"]
             elif value is not None and value is not False:
                 argv += [flag, _DTYPES[value] if f.name == "dtype" else str(value)]
         return argv
@@ -130,7 +135,7 @@ class ClusterConfig:
     port: int = 8000  # 0: any free port
     grpc_port: int = 50051
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] = ()  # vLLM's list: the first is the name responses carry
     device: str = "auto"
     cpu_threads: int = 1
     gpus: tuple[str, ...] = ()
@@ -182,15 +187,22 @@ class ClusterConfig:
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
         free_ports = args.demo  # a demo runs anywhere: it never needs the well-known ports
         d = cls()
+        if args.kv_cache_dtype not in (None, "auto"):
+            raise ValueError(
+                f"--kv-cache-dtype {args.kv_cache_dtype}: not supported yet (the KV cache is in"
+                " the model's dtype); use auto"
+            )
+        both_tp = args.tensor_parallel_size  # vLLM's -tp: both pools, unless a pool flag says
         return cls(
             model=args.model, prefill=args.prefill, decode=args.decode, kv_store=args.kv_store,
             kv_store_capacity=args.kv_store_capacity, host=args.host,
             port=_port(args.port, 0 if free_ports else d.port),
             grpc_port=_port(args.grpc_port, 0 if free_ports else d.grpc_port),
-            api_key=args.api_key, served_model_name=args.served_model_name,
+            api_key=args.api_key, served_model_name=tuple(args.served_model_name or ()),
             engine=EngineFlags.from_args(args), device=args.device, cpu_threads=args.cpu_threads,
             gpus=tuple(g.strip() for g in (args.gpus or "").split(",") if g.strip()),
-            prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+            prefill_tp=_first(args.prefill_tp, both_tp, d.prefill_tp),
+            decode_tp=_first(args.decode_tp, both_tp, d.decode_tp),
             kv_cache_gb=args.kv_cache_gb, autoscale=args.autoscale,
             prefill_min=args.prefill_min, prefill_max=args.prefill_max,
             decode_min=args.decode_min, decode_max=args.decode_max, slo=args.slo,
@@ -256,13 +268,18 @@ class ClusterConfig:
     def router_argv(self) -> list[str]:
         """Serving flags the router gets (the API key goes through its environment)."""
         if self.served_model_name:
-            return ["--served-model-name", self.served_model_name]
+            return ["--served-model-name", *self.served_model_name]
         return []
 
     @property
     def served_name(self) -> str:
-        """The model name clients ask for."""
-        return self.served_model_name or self.model
+        """The model name clients ask for (the first served name)."""
+        return self.served_model_name[0] if self.served_model_name else self.model
+
+
+def _first(*values: int | None) -> int:
+    """The first value given."""
+    return next(v for v in values if v is not None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -297,7 +314,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"router gRPC port (default {d.grpc_port}; with --demo a free one; 0: any free port)",
     )
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router")
-    a("--served-model-name", default=None, help="the model's name in the API (default --model)")
+    a("--served-model-name", nargs="+", default=None,
+      help="the model's names in the API, the first in responses (default --model)")  # fmt: skip
     add_engine_arguments(parser)
     a("--device", default=d.device, help="auto, cpu, cuda (default auto)")
     a("--cpu-threads", type=int, default=d.cpu_threads, help="torch threads per CPU node")
@@ -306,10 +324,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="GPU ids to spread nodes over, e.g. 0,1,2,3 (default: CUDA_VISIBLE_DEVICES, else all)",
     )
-    a("--prefill-tp", type=int, default=d.prefill_tp,
-      help="tensor-parallel size of each prefill node (its GPUs)")  # fmt: skip
-    a("--decode-tp", type=int, default=d.decode_tp,
-      help="tensor-parallel size of each decode node (its GPUs)")  # fmt: skip
+    a("-tp", "--tensor-parallel-size", type=int, default=None,
+      help="tensor-parallel size of every node (vLLM's flag; --prefill-tp/--decode-tp win)")  # fmt: skip
+    a("--prefill-tp", type=int, default=None,
+      help="tensor-parallel size of each prefill node (its GPUs; default 1)")  # fmt: skip
+    a("--decode-tp", type=int, default=None,
+      help="tensor-parallel size of each decode node (its GPUs; default 1)")  # fmt: skip
     a("--kv-cache-gb", type=float, default=None, help="KV cache per node (GiB)")
     a("--autoscale", action="store_true", help="let the router size both pools from load")
     for pool in ("prefill", "decode"):
@@ -355,6 +375,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of GPU memory a node may use (default 0.9)",
     )
     g("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    g("--seed", type=int, default=None, help="seed of the engines' request seeds (default 0)")
+    g("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+      help="reuse cached prompt blocks (default on)")  # fmt: skip
+    g("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+      help="schedule the next step while one runs (default: on for CUDA)")  # fmt: skip
+    g("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+      help="KV cache dtype: auto (the model's) only, for now")  # fmt: skip
+    g("--trust-remote-code", action="store_true",
+      help="accepted for vLLM's command lines: pdserve runs only its own code for the"
+           " architectures it supports, never a checkpoint's")  # fmt: skip
     g(
         "--speculative-config",
         default=None,

@@ -35,8 +35,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Add the ``down`` subcommand."""
     parser = subparsers.add_parser(
         "down",
-        help="stop orphaned clusters of pdserve up (whose up is gone); --all or --pid for"
-        " running ones",
+        help="stop orphaned clusters of pdserve up; --all or --pid for running ones",
         description="Stop the clusters of `pdserve up` whose `up` process is gone (orphans) and"
         " remove their files. A cluster whose `up` still runs is left alone unless --all or"
         " --pid names it.",

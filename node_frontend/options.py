@@ -36,6 +36,8 @@ ENGINE_OPTIONS = (
     "enforce_eager",
     "async_scheduling",
     "tensor_parallel_size",
+    "seed",
+    "enable_prefix_caching",
 )
 
 
@@ -69,6 +71,8 @@ class NodeOptions:
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
     tensor_parallel_size: int | None = None
+    seed: int | None = None
+    enable_prefix_caching: bool | None = None
     speculative_config: str | None = None  # vLLM's JSON (decode nodes; a prefill makes 1 token)
 
     def __post_init__(self) -> None:
@@ -157,6 +161,8 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--enforce-eager", "flag", "engine (CUDA): no decode CUDA graphs"),
     ("--async-scheduling", "flag", "engine: schedule the next step while one runs (default: CUDA)"),
     ("--tensor-parallel-size", int, "engine: ranks the model is split over (default 1)"),
+    ("--seed", int, "engine: seed of its per-request seeds and dummy weights (default 0)"),
+    ("--enable-prefix-caching", "flag", "engine: reuse cached prompt blocks (default true)"),
     (
         "--speculative-config",
         str,

@@ -21,6 +21,9 @@ class RouterConfig:
 
     model: str = "tiny-llama"
     served_model_name: str | None = None
+    # more names clients may ask for (vLLM's --served-model-name takes a list: the first is
+    # the one responses carry)
+    served_model_aliases: tuple[str, ...] = ()
     tokenizer: str | None = None  # default: the model's directory
     # A cap on the nodes' context (a node with a shorter one is refused); default: the nodes'.
     max_model_len: int | None = None
@@ -94,6 +97,11 @@ class RouterConfig:
         values["prefill"] = _addresses(args.prefill)
         values["decode"] = _addresses(args.decode)
         values["slo"] = parse_slo(args.slo or "")
+        names = args.served_model_name  # a list from the flag, a string from PDSERVE_*
+        if isinstance(names, str):
+            names = names.split()
+        values["served_model_name"] = names[0] if names else None
+        values["served_model_aliases"] = tuple(names[1:]) if names else ()
         if isinstance(values.get("prefill_fallback"), str):  # PDSERVE_PREFILL_FALLBACK=0
             values["prefill_fallback"] = values["prefill_fallback"].lower() in (
                 "1",
@@ -113,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     a = parser.add_argument
     a("--model", default=d.model, help="built-in name or HF model directory")
-    a("--served-model-name", default=None, help="name in /v1/models (default: --model)")
+    a("--served-model-name", nargs="+", default=None,
+      help="the model's names in the API, the first one in responses (default: --model; when"
+           " given, only these names are served)")  # fmt: skip
     a("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     a("--max-model-len", type=int, default=None,
       help="cap on the context (default: the nodes'); a node with less is refused")  # fmt: skip

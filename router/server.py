@@ -90,10 +90,14 @@ class Router:
 def build_router(config: RouterConfig) -> Router:
     """Wire the components (loads the tokenizer; opens no socket)."""
     model_dir = resolve_model_path(config.model)
+    # a served name replaces the model's (as vLLM: a request naming the path is a 404)
+    aliases = (
+        frozenset(config.served_model_aliases)
+        if config.served_model_name
+        else frozenset({config.model, str(model_dir)})
+    )
     served = ServedModel(
-        name=config.served_model_name or config.model,
-        aliases=frozenset({config.model, str(model_dir)}),
-        created=int(time.time()),
+        name=config.served_model_name or config.model, aliases=aliases, created=int(time.time())
     )
     prompts = PromptProcessor(resolve_model_path(config.tokenizer or config.model))
     _check_layout_flags(config, prompts.model_max_len)

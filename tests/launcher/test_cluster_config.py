@@ -106,6 +106,7 @@ ENGINE_FLAGS = {  # vLLM flag -> the value given to `up`, and the node option it
     "--max-num-batched-tokens": ("1024", "max_num_batched_tokens", 1024),
     "--gpu-memory-utilization": ("0.5", "gpu_memory_utilization", 0.5),
     "--speculative-config": (SPEC, "speculative_config", SPEC),
+    "--seed": ("7", "seed", 7),
 }
 
 
@@ -146,6 +147,50 @@ def test_serving_flags_reach_the_router() -> None:
     add_arguments(parser)
     routed = RouterConfig.from_args(parser.parse_args(["--model", c.model, *c.router_argv()]))
     assert routed.served_model_name == "my-model"
+
+
+def test_vllm_flags_up_takes() -> None:
+    """The flags a vLLM user types: each parsed and carried to the nodes or the router."""
+    from node_frontend.options import add_node_arguments, options_from_args
+    from router.config import RouterConfig, add_arguments
+
+    tp = config("--device", "cpu", "-tp", "2")
+    assert (tp.prefill_tp, tp.decode_tp) == (2, 2)
+    mixed = config("--device", "cpu", "--tensor-parallel-size", "2", "--decode-tp", "1")
+    assert (mixed.prefill_tp, mixed.decode_tp) == (2, 1)  # a pool flag wins over -tp
+    assert (config().prefill_tp, config().decode_tp) == (1, 1)
+    c = config(
+        "--device", "cpu", "--seed", "3", "--no-enable-prefix-caching", "--async-scheduling",
+        "--trust-remote-code", "--kv-cache-dtype", "auto",
+    )  # fmt: skip
+    argv = c.node_argv()
+    assert argv[argv.index("--seed") + 1] == "3"
+    assert argv[argv.index("--enable-prefix-caching") + 1] == "false"
+    assert "--async-scheduling" in argv and "--trust-remote-code" not in argv
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, default_port=0)
+    options = options_from_args(parser.parse_args([*argv, "--kv-store", "shm:///x"]), 0, env={})
+    engine = options.engine_config("consumer")
+    assert (engine.model.seed, engine.cache.enable_prefix_caching) == (3, False)
+    assert engine.async_scheduling is True
+    assert "--enable-prefix-caching" not in config("--device", "cpu").node_argv()
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: not supported yet"):
+        config("--kv-cache-dtype", "fp8")
+    names = config("--served-model-name", "a", "b")
+    assert names.served_name == "a" and names.router_argv() == ["--served-model-name", "a", "b"]
+    router_parser = argparse.ArgumentParser()
+    add_arguments(router_parser)
+    routed = RouterConfig.from_args(router_parser.parse_args(names.router_argv()))
+    assert (routed.served_model_name, routed.served_model_aliases) == ("a", ("b",))
+
+
+def test_an_unknown_up_flag_prints_ups_usage() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve_cli", "up", "--bogus-flag", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: pdserve up ") and "--bogus-flag" in done.stderr
 
 
 @pytest.mark.parametrize(
