@@ -34,6 +34,7 @@ from common.kv_connector import KVHandle
 from common.memory_profile import KVReserve
 from common.model_runner import ModelRunner, StepResult
 from common.models.loader import read_hf_config
+from common.models.preflight import max_model_len
 from common.models.tiny import resolve_model_path
 from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams
@@ -128,11 +129,7 @@ class EngineCore:
         return draft_footprint(spec, self.config)
 
     def _max_model_len(self) -> int:
-        limit = int(self.hf_config.get("max_position_embeddings", 2048))
-        asked = self.config.model.max_model_len
-        if asked is not None and asked > limit:
-            raise ValueError(f"max_model_len {asked} exceeds the model's limit {limit}")
-        return asked or limit
+        return max_model_len(self.hf_config, self.config.model.max_model_len)
 
     def _check_cache_fits(self) -> None:
         need = cdiv(self.max_model_len, self.block_size)
@@ -352,6 +349,10 @@ class EngineCore:
             self.scheduler.update_from_connector(done_loading, worker.get_failed_blocks())
 
     def close(self) -> None:
+        """Release what the engine holds: the grammar compiler, the connector's threads and
+        staging memory, the draft model's engine, and the runner (tensor-parallel workers and
+        process groups). Idempotent; the engine is not stepped afterwards."""
+        self._in_flight = None
         if self._structured is not None:
             self._structured.close()
             self._structured = None
@@ -359,6 +360,9 @@ class EngineCore:
             self.connector[1].close()
             self.connector[0].close()
             self.connector = None
+        close_proposer = getattr(self.proposer, "close", None)  # a draft model's engine
+        if close_proposer is not None:
+            close_proposer()
         self.runner.close()
 
     def stats(self) -> EngineStats:

@@ -53,7 +53,7 @@ from typing import Any
 import httpx
 
 from launcher.actuators import LocalProcessActuator, NodeLaunch
-from launcher.cluster_config import ClusterConfig, add_arguments
+from launcher.cluster_config import ClusterConfig, add_arguments, check_model
 from launcher.local_store import restart_redis, start_kv_store
 from launcher.ports import (
     HeldPort,
@@ -69,6 +69,7 @@ from launcher.processes import (
     child_env,
     connect_host,
     kill_marked,
+    last_error,
 )
 from launcher.reaper import Reaper
 from launcher.state import (
@@ -137,7 +138,10 @@ class Cluster:
     Construction makes the cluster's directory, starts its reaper and writes its state file;
     ``ports`` are the router's, held (see launcher.ports) until the router has them."""
 
-    def __init__(self, config: ClusterConfig, ports: tuple[HeldPort, HeldPort]) -> None:
+    def __init__(
+        self, config: ClusterConfig, ports: tuple[HeldPort, HeldPort], started: float
+    ) -> None:
+        """``started``: when `up` began (``time.monotonic()``), for the progress lines."""
         self.config = config
         self.marker = uuid.uuid4().hex
         self.workdir = _workdir()
@@ -158,6 +162,7 @@ class Cluster:
         self.router: ManagedProcess | None = None
         self.nodes: LocalProcessActuator | None = None
         self.served = False  # the endpoints were printed
+        self.started = started
         self.supervised: list[Supervised] = []  # the router and a private Redis, once serving
 
     # -- start -------------------------------------------------------------------------------
@@ -170,30 +175,31 @@ class Cluster:
             await self._start()
 
     async def _start(self) -> None:
-        await self._prepare_model()
         self.kv_url, self.redis = await start_kv_store(
             self.config, self.workdir, self.log_dir, self._env()
         )
+        self.phase(f"KV store {self.kv_url}")
         self._start_router()
+        self.phase(f"router starting (logs in {self.log_dir})")
         if not self.config.autoscale:  # at the same time: they dial the router's held port
             self.nodes = LocalProcessActuator(self._launch(), restart=None)  # fail fast first
             await self.nodes.scale(Pool.PREFILL, self.config.prefill)
             await self.nodes.scale(Pool.DECODE, self.config.decode)
+            self.phase(
+                f"{self.config.prefill} prefill + {self.config.decode} decode node(s) starting:"
+                " each loads the model, then registers"
+            )
         await self._wait_router()
+        self.phase(f"router serving on {self.http_url}")
         self._record_state()
         await self._wait_routable(*self._initial_counts())
         self._record_state()
 
-    async def _prepare_model(self) -> None:
-        """Resolve the model once, here, rather than in the router and every node at once: a
-        built-in one is generated (in a child process: `up` imports no torch), a Hub id found
-        in the HF cache or downloaded; an unknown one is refused in one line."""
-        from common.models.names import resolve_model_path
-
-        try:
-            await asyncio.to_thread(resolve_model_path, self.config.model)
-        except (RuntimeError, ValueError) as exc:
-            raise StartupError(str(exc)) from None
+    def phase(self, text: str) -> None:
+        """One line of start-up progress, with the time since `up` started (not with
+        ``--quiet``)."""
+        if not self.config.quiet:
+            _say(f"pdserve up [{time.monotonic() - self.started:5.1f}s] {text}")
 
     def _start_router(self) -> None:
         env = self._env()
@@ -289,10 +295,17 @@ class Cluster:
     async def _wait_routable(self, prefill: int, decode: int) -> None:
         """Poll ``/ready`` until the router is ready with ``prefill`` + ``decode`` nodes."""
         deadline = time.monotonic() + self.config.startup_timeout_s
+        seen: dict[str, int] = {}
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
             while True:
                 self.check_alive()
                 ready, counts = await self._readiness(client)
+                if counts and counts != seen:
+                    seen = counts
+                    self.phase(
+                        f"registered: prefill {counts.get('prefill', 0)}/{prefill},"
+                        f" decode {counts.get('decode', 0)}/{decode}"
+                    )
                 if (
                     ready
                     and counts.get("prefill", 0) >= prefill
@@ -326,10 +339,15 @@ class Cluster:
                     raise StartupError(f"a {pool.value} node exited; logs in {self.log_dir}")
 
     def _exit_reason(self, process: ManagedProcess) -> str:
-        """Why a child exited: one line for a port it could not bind, else its log's tail."""
+        """Why a child exited, in one line: a port it could not bind, else the last error its
+        log shows, and where the log is."""
         port = bind_failure(process.log_tail(200))
         if port is None:
-            return f"{process.name} exited with {process.proc.poll()}:\n{process.log_tail()}"
+            reason = last_error(process.log_tail(200))
+            return (
+                f"{process.name} exited with {process.proc.poll()}: {reason}"
+                f" (log: {process.log_path})"
+            )
         if process is self.router:
             spec = PortSpec("router HTTP", "--port", self.http_port)
             if port == self.grpc_port:
@@ -473,12 +491,22 @@ async def run(config: ClusterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, lambda: (force if stop.is_set() else stop).set())
+    started = time.monotonic()
     try:
         ports = hold_router_ports(config.host, config.port, config.grpc_port)
     except PortInUse as exc:
         _say(f"pdserve up: {exc}", err=True)
         return 1
-    cluster = Cluster(config, ports)
+    try:  # what the model's config can refuse, refused before any process starts
+        model = await asyncio.to_thread(check_model, config)
+    except ValueError as exc:
+        _say(f"pdserve up: {exc}", err=True)
+        for port in ports:
+            port.release()
+        return 1
+    if not config.quiet:
+        _say(f"pdserve up [{time.monotonic() - started:5.1f}s] model {config.model}: {model}")
+    cluster = Cluster(config, ports, started)
     code = 0
     try:
         code = await _serve(cluster, stop)

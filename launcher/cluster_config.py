@@ -157,6 +157,7 @@ class ClusterConfig:
     router_args: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
     state_dir: str | None = None  # None: <cache dir>/clusters
+    quiet: bool = False  # no progress lines while starting (scripts)
 
     def __post_init__(self) -> None:
         check_bind_host(self.host)
@@ -209,7 +210,7 @@ class ClusterConfig:
             demo=args.demo, demo_requests=args.demo_requests, log_dir=args.log_dir,
             redis_maxmemory=args.redis_maxmemory, node_args=tuple(shlex.split(args.node_args)),
             router_args=tuple(shlex.split(args.router_args)),
-            startup_timeout_s=args.startup_timeout, state_dir=args.state_dir,
+            startup_timeout_s=args.startup_timeout, state_dir=args.state_dir, quiet=args.quiet,
         )  # fmt: skip
 
     def device_name(self) -> str:
@@ -275,6 +276,47 @@ class ClusterConfig:
     def served_name(self) -> str:
         """The model name clients ask for (the first served name)."""
         return self.served_model_name[0] if self.served_model_name else self.model
+
+
+def check_model(config: ClusterConfig) -> str:
+    """Refuse (ValueError, one line) what the model's ``config.json`` and the flags rule out,
+    before any process starts: an architecture pdserve has no code for, a ``--max-model-len``
+    past the model's, a speculative config that does not parse or names a draft model that
+    cannot serve. Resolving the model generates a built-in one (in a child process: `up`
+    imports no torch) or finds a Hub id in the HF cache. Returns what was found, for the
+    progress line."""
+    import json
+
+    from common.models.names import resolve_model_path
+    from common.models.preflight import architecture, max_model_len
+
+    def read(model: str) -> dict:
+        try:
+            path = resolve_model_path(model)
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+        try:
+            return json.loads((path / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{model}: unreadable config.json ({exc})") from None
+
+    hf_config = read(config.model)
+    arch = architecture(hf_config)
+    context = max_model_len(hf_config, config.engine.max_model_len)
+    spec = config.engine.speculative_config
+    if spec:
+        from common.spec_decode.config import SpeculativeConfig
+
+        try:
+            values = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        speculative = SpeculativeConfig.from_dict(values)
+        if speculative.model is not None:
+            architecture(read(speculative.model))
+    return f"{arch}, context {context} tokens"
 
 
 def _first(*values: int | None) -> int:
@@ -343,6 +385,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--node-args", default="", help='more node flags, e.g. "--max-num-seqs 64"')
     a("--router-args", default="", help='more router flags, e.g. "--scale-down-delay 10"')
     a("--startup-timeout", type=float, default=d.startup_timeout_s, help="seconds per start")
+    a("--quiet", action="store_true", help="no progress lines while the cluster starts")
     a(
         "--state-dir",
         default=None,

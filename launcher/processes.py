@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -177,6 +178,19 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b[^:]*: .+")
+
+
+def last_error(log: str) -> str:
+    """The line of a child's log that says why it failed: the last ``SomeError: why`` line
+    (a Python traceback ends with it), else the last line that says anything."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _ERROR_LINE.match(line):
+            return line[:500]
+    return lines[-1][:500] if lines else "no output"
 
 
 def _signal_pid(pid: int, sig: int) -> None:

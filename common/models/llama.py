@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata
+from common.models.preflight import architecture
 from common.parallel.group import TensorParallel
 from common.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
 
 _ops = torch.ops.pdserve
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,7 @@ class LlamaArgs:
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> LlamaArgs:
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+        arch = architecture(cfg)
         heads = cfg["num_attention_heads"]
         theta, scaling = _rope_settings(cfg)
         return LlamaArgs(

@@ -45,9 +45,11 @@ def test_a_busy_node_port_is_one_line(tmp_path: Path) -> None:
         port = busy.getsockname()[1]
         done = _pdserve("up", "--port", "0", "--grpc-port", "0", "--state-dir", str(tmp_path),
                         "--node-args", f"--port {port}", timeout_s=300.0)  # fmt: skip
-    lines = (done.stdout + done.stderr).strip().splitlines()
+    lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1, lines
     assert f"could not bind port {port} (in use)" in lines[0] and "--node-args" in lines[0]
+    progress = done.stdout.strip().splitlines()  # what it did until then, a line a phase
+    assert progress and all(line.startswith("pdserve up [") for line in progress), progress
     assert list(tmp_path.iterdir()) == []  # the state file went with the cluster
 
 
@@ -74,6 +76,10 @@ def test_engine_flags_reach_the_nodes_and_down_stops_the_cluster(tmp_path: Path)
     up = UpProcess(tmp_path / "logs", "--max-model-len", "512", "--served-model-name", "tiny")
     try:
         url = up.wait_ready()
+        said = "\n".join(up.lines)  # a line per start-up phase, before the banner
+        for phase in ("] model tiny-llama: LlamaForCausalLM, context 512", "] KV store shm://",
+                      "] router serving on", "] registered: prefill 1/1, decode 1/1"):  # fmt: skip
+            assert phase in said, said
         for role in ("prefill", "decode"):
             (pid,) = up.pids_running(role, "--max-model-len")
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")

@@ -1,0 +1,26 @@
+"""What an HF ``config.json`` says about whether pdserve can serve the model, checked without
+torch: the engine and ``pdserve up`` ask the same questions, so `up` refuses a model it cannot
+serve in one line, before it starts a process, and the engine gives the same reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DEFAULT_MAX_POSITIONS = 2048  # a config that names no max_position_embeddings
+
+
+def architecture(hf_config: dict[str, Any]) -> str:
+    """The config's architecture; ValueError when pdserve has no model code for it."""
+    arch = (hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
+    return arch
+
+
+def max_model_len(hf_config: dict[str, Any], asked: int | None) -> int:
+    """The context an engine serves: ``asked``, or the model's limit; ValueError past it."""
+    limit = int(hf_config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds the model's limit {limit}")
+    return asked or limit
