@@ -141,6 +141,8 @@ def _on_chunk(timeline: _Timeline, chunk: dict[str, Any], now_s: float) -> str |
 
 def _account(timeline: _Timeline, response: StreamedResponse) -> RequestRecord:
     """The record of a finished HTTP exchange, events at their arrival times."""
+    if response.status == 401:  # every request will fail alike: say what fixes it
+        return timeline.failure("HTTP 401", "the endpoint wants an API key: pass --api-key KEY")
     if response.status != 200:
         return timeline.failure(f"HTTP {response.status}", response.body.decode(errors="replace"))
     for arrival_s, data in response.events:
@@ -181,6 +183,9 @@ async def fetch_first_model(base_url: str, api_key: str | None, timeout_s: float
     try:
         async with _client(api_key, timeout_s) as client:
             response = await client.get(f"{base_url.rstrip('/')}/v1/models")
+            if response.status_code == 401:
+                hint = "pass --api-key KEY" if api_key is None else "--api-key was refused"
+                raise RuntimeError(f"{base_url} wants an API key (HTTP 401): {hint}")
             response.raise_for_status()
             models = response.json().get("data") or []
     except (httpx.HTTPError, ValueError) as exc:

@@ -45,7 +45,9 @@ from bench.report import (
     BenchRun,
     compare_markdown,
     load_report,
+    pace,
     render_markdown,
+    run_warnings,
     write_report,
 )
 from bench.server_stats import scrape_spec_counters
@@ -179,10 +181,24 @@ async def _resolve_model(args: argparse.Namespace) -> str:
     return await fetch_first_model(args.url, args.api_key)
 
 
+def prompts_per_rate(args: argparse.Namespace, rates: list[float]) -> list[int]:
+    """Requests of each run: ``--num-prompts``, or with ``--duration`` as many as arrive in
+    that time at the rate (``--num-prompts`` still for ``inf``)."""
+    if args.duration is None:
+        return [args.num_prompts] * len(rates)
+    return [
+        max(1, math.ceil(rate * args.duration)) if math.isfinite(rate) else args.num_prompts
+        for rate in rates
+    ]
+
+
 async def _run_all(args: argparse.Namespace, rates: list[float]) -> list[BenchRun]:
-    """One run per rate over the same workload and arrival seed. Sets ``args.model`` to the
-    resolved model so the report records it."""
-    requests = build_requests(args)
+    """One run per rate over the same workload and arrival seed (a run of fewer requests
+    takes the first ones). Sets ``args.model`` to the resolved model so the report records
+    it."""
+    counts = prompts_per_rate(args, rates)
+    args.num_prompts = max(counts)
+    workload = build_requests(args)
     args.model = await _resolve_model(args)
     slo = parse_slo(args.slo)
     if args.grpc:
@@ -191,7 +207,8 @@ async def _run_all(args: argparse.Namespace, rates: list[float]) -> list[BenchRu
         opener = open_http_sender(args.url, args.model, args.api_key, args.request_timeout)
     runs = []
     async with opener as send:
-        for rate in rates:
+        for rate, count in zip(rates, counts, strict=True):
+            requests = workload[:count]
             offsets = arrival_offsets(
                 len(requests), rate, args.burstiness, np.random.default_rng(args.seed)
             )
@@ -204,15 +221,21 @@ async def _run_all(args: argparse.Namespace, rates: list[float]) -> list[BenchRu
             spec = None if after is None or before is None else after - before
             if spec is not None and spec.drafts == 0:
                 spec = None  # the server did not speculate: nothing to report
-            runs.append(BenchRun(rate, args.burstiness, report, records, spec))
-            print(_one_line(rate, report.request_throughput, report.goodput, report.num_failed))
+            run = BenchRun(rate, args.burstiness, report, records, spec)
+            runs.append(run)
+            print(_one_line(run))
     return runs
 
 
-def _one_line(rate: float, throughput: float, goodput: float, failed: int) -> str:
-    return (
-        f"rate {rate:g} req/s: {throughput:.2f} req/s, goodput {goodput:.2f} req/s, {failed} failed"
+def _one_line(run: BenchRun) -> str:
+    """A run's outcome, and what makes its figures untrustworthy."""
+    r, p = run.report, pace(run.records)
+    achieved = "-" if p.achieved is None else f"{p.achieved:.2f}"
+    line = (
+        f"rate {run.rate:g} req/s: achieved {achieved} req/s, goodput {r.goodput:.2f} req/s,"
+        f" {r.num_failed} failed"
     )
+    return "\n".join([line, *(f"  warning: {w}" for w in run_warnings(run))])
 
 
 # --------------------------------------------------------------------------- CLI
@@ -238,6 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rate", "--request-rate", type=_rate, default=math.inf, help="req/s, or inf (default)")
     add("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson (default: 1)")
     add("--num-prompts", type=int, default=100)
+    add("--duration", type=float, help="seconds of arrivals per rate (instead of --num-prompts)")
     add("--dataset", "--dataset-name", choices=("random", "file"), default="random")
     add("--dataset-path", help='JSONL of {"prompt": str | [int], "output_len": int}')
     add("--input-len", "--random-input-len", type=int, default=256, help="mean prompt tokens")
@@ -316,6 +340,8 @@ def _quiet_http_logs() -> None:
 def _check(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
+    if args.duration is not None and not args.duration > 0:
+        raise ValueError("--duration must be > 0 seconds")
     if args.burstiness <= 0:
         raise ValueError("--burstiness must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -382,6 +408,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "model",
         "burstiness",
         "num_prompts",
+        "duration",
         "dataset",
         "dataset_path",
         "input_len",

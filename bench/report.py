@@ -52,11 +52,81 @@ class SweepLimit(NamedTuple):
         return self.best is not None and self.first_missing is not None
 
 
+# A run's honesty checks: under MIN_RUN_S of arrivals no queue can build, so a rate the server
+# cannot sustain still looks met; completions slower than ACHIEVED_FLOOR of the arrivals mean
+# the server fell behind (its latencies only grow with a longer run); token gaps under
+# STARVED_GAP_MS for STARVED_SHARE of them mean the client read events in bursts.
+MIN_RUN_S = 20.0
+ACHIEVED_FLOOR = 0.9
+STARVED_GAP_MS = 0.05
+STARVED_SHARE = 0.2
+
+
+class Pace(NamedTuple):
+    """How fast requests were sent and completed (req/s over each span; None: too few)."""
+
+    sent: float | None
+    achieved: float | None
+    span_s: float  # from the first send to the last
+
+
+def pace(records: Sequence[RequestRecord]) -> Pace:
+    starts = sorted(r.start_s for r in records)
+    ends = sorted(r.end_s for r in records if r.success)
+
+    def rate(times: list[float]) -> float | None:
+        span = times[-1] - times[0] if len(times) > 1 else 0.0
+        return (len(times) - 1) / span if span > 0 else None
+
+    return Pace(rate(starts), rate(ends), starts[-1] - starts[0] if starts else 0.0)
+
+
+MIN_PACED = 10  # fewer requests cannot tell a slow server from one slow request
+
+
+def fell_behind(run: BenchRun) -> bool:
+    """Completions came slower than ``ACHIEVED_FLOOR`` of the arrivals (finite rates)."""
+    p = pace(run.records)
+    if not math.isfinite(run.rate) or len(run.records) < MIN_PACED:
+        return False
+    if p.sent is None or p.achieved is None:
+        return False
+    return p.achieved < ACHIEVED_FLOOR * p.sent
+
+
+def too_short(run: BenchRun) -> bool:
+    return math.isfinite(run.rate) and bool(run.records) and pace(run.records).span_s < MIN_RUN_S
+
+
+def run_warnings(run: BenchRun) -> list[str]:
+    """What makes this run's figures untrustworthy, one sentence each."""
+    out, p = [], pace(run.records)
+    if fell_behind(run):
+        out.append(
+            f"achieved {p.achieved:.2f} req/s of {p.sent:.2f} sent: the server fell behind"
+            " (a queue grew; a longer run would look worse)"
+        )
+    if too_short(run):
+        out.append(
+            f"arrivals spanned {p.span_s:.0f} s, under {MIN_RUN_S:.0f} s: too short for a"
+            " queue to build (--duration 60, or more prompts)"
+        )
+    gaps = _samples_ms(run.records, "itl")
+    starved = float(np.mean(gaps < STARVED_GAP_MS)) if gaps.size >= 50 else 0.0
+    if starved >= STARVED_SHARE:
+        out.append(
+            f"{starved:.0%} of token gaps under {STARVED_GAP_MS * 1e3:.0f} us: the client read"
+            " events in bursts (its machine is overloaded): ITL and TPOT are understated"
+        )
+    return out
+
+
 def sweep_limit(runs: Sequence[BenchRun], target: float) -> SweepLimit:
-    """Scan the runs by rate for the first whose overall SLO attainment is below ``target``."""
+    """Scan the runs by rate for the first that misses: SLO attainment below ``target``, or
+    completions that fell behind the arrivals (the SLOs were met only because the run ended)."""
     best = None
     for run in sorted(runs, key=lambda r: r.rate):
-        if run.report.overall_attainment < target:
+        if run.report.overall_attainment < target or fell_behind(run):
             return SweepLimit(best, run.rate)
         best = run.rate
     return SweepLimit(best, None)
@@ -74,6 +144,14 @@ def sweep_verdict(runs: Sequence[BenchRun], target: float) -> str:
     met = f"≥ {target:.0%} of requests meeting every SLO"
     if runs and not runs[0].report.slo.bounds():
         return "No SLO given (--slo, --goodput): every rate meets it, there is no limit to find."
+    short = [r for r in runs if too_short(r)]
+    if short:
+        shortest = min(pace(r.records).span_s for r in short)
+        return (
+            f"Not found: runs whose arrivals span under {MIN_RUN_S:.0f} s (the shortest"
+            f" {shortest:.0f} s) cannot build a queue, so no limit can be read from them"
+            " (--duration 60, or more prompts)."
+        )
     if limit.best is None:
         lowest = _rate_text(min(r.rate for r in runs))
         return f"Not found: no swept rate had {met}; the limit lies below {lowest} req/s."
@@ -158,14 +236,16 @@ def _ms(stats: Any, attr: str) -> str:
 
 def _sweep_table(runs: Sequence[BenchRun]) -> list[str]:
     lines = [
-        "| rate (req/s) | req/s | goodput | SLO met | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-        "| ITL p99 | E2E p50 | failed |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| offered (req/s) | sent | achieved | goodput | SLO met | TTFT p50 | TTFT p99 | TPOT p50 "
+        "| TPOT p99 | ITL p99 | E2E p50 | failed |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
-        r = run.report
+        r, p = run.report, pace(run.records)
+        flag = " ⚠" if run_warnings(run) else ""
         lines.append(
-            f"| {_rate_text(run.rate)} | {r.request_throughput:.2f} | {r.goodput:.2f} | "
+            f"| {_rate_text(run.rate)}{flag} | {_num(p.sent)} | {_num(p.achieved)} | "
+            f"{r.goodput:.2f} | "
             f"{r.overall_attainment:.1%} | {_ms(r.ttft, 'median_ms')} | {_ms(r.ttft, 'p99_ms')} | "
             f"{_ms(r.tpot, 'median_ms')} | {_ms(r.tpot, 'p99_ms')} | {_ms(r.itl, 'p99_ms')} | "
             f"{_ms(r.e2e, 'median_ms')} | {r.num_failed} |"
@@ -183,6 +263,7 @@ def render_markdown(
         lines += ["", "## Sweep", "", *_sweep_table(runs), "", sweep_verdict(runs, target)]
     for run in runs:
         lines += ["", f"## Rate {_rate_text(run.rate)} req/s", "", run.report.to_markdown()]
+        lines += [f"\n**Warning:** {warning}" for warning in run_warnings(run)]
         if run.spec is not None:
             lines += ["", _spec_line(run.spec)]
     if plots:
@@ -272,8 +353,10 @@ def plot_latency_cdfs(runs: Sequence[BenchRun], slo: SLOConfig, path: Path) -> N
     fig = Figure(figsize=(12, 8), layout="constrained")
     colors = _colors(len(runs))
     for ax, metric in zip(fig.subplots(2, 2).flat, METRICS, strict=True):
+        positive = False
         for run, color in zip(runs, colors, strict=True):
             values = np.sort(_samples_ms(run.records, metric))
+            positive = positive or bool(values.size and values[-1] > 0)
             if values.size:
                 y = np.arange(1, values.size + 1) / values.size
                 ax.step(values, y, where="post", color=color, label=f"{_rate_text(run.rate)} req/s")
@@ -281,10 +364,12 @@ def plot_latency_cdfs(runs: Sequence[BenchRun], slo: SLOConfig, path: Path) -> N
         unit = "token gaps" if metric == "itl" else "requests"
         ax.set(
             title=f"{_LABELS[metric]} CDF",
-            xlabel=f"{_LABELS[metric]} (ms)",
+            xlabel=f"{_LABELS[metric]} (ms, log scale)",
             ylabel=f"fraction of {unit}",
             ylim=(0, 1.02),
         )
+        if positive:  # a log axis: one long gap no longer squashes the rest into a pixel
+            ax.set_xscale("log")
         ax.grid(True, alpha=0.3)
         if ax.has_data():
             ax.legend(loc="lower right", fontsize="small")
@@ -300,14 +385,12 @@ def _colors(n: int) -> list[Any]:
 
 def _mark_best(ax: Axes, limit: SweepLimit, target: float) -> None:
     if limit.best is not None:
-        what = "max rate" if limit.found else "limit not found: all met, up to"
-        ax.axvline(
-            limit.best,
-            color="dimgray",
-            linestyle="-.",
-            linewidth=1.2,
-            label=f"{what} with ≥{target:.0%} SLO met: {limit.best:g}",
+        label = (
+            f"limit: {limit.best:g} req/s (≥{target:.0%} met)"
+            if limit.found
+            else f"≥{target:.0%} met up to {limit.best:g} req/s (no limit found)"
         )
+        ax.axvline(limit.best, color="dimgray", linestyle="-.", linewidth=1.2, label=label)
 
 
 def plot_sweep_latency(runs: Sequence[BenchRun], slo: SLOConfig, target: float, path: Path) -> None:

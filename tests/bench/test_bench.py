@@ -36,6 +36,7 @@ from bench.report import (
     max_rate_meeting_slo,
     render_markdown,
     report_dict,
+    run_warnings,
     sweep_limit,
     sweep_verdict,
     write_report,
@@ -112,7 +113,7 @@ def _runs(slo: SLOConfig) -> list[BenchRun]:
     """Three rates; latency grows with load, so attainment falls: 100%, 75%, 25%."""
     runs = []
     for rate, ttfts in ((1.0, [0.05] * 4), (2.0, [0.05] * 3 + [0.5]), (4.0, [0.5] * 3 + [0.05])):
-        records = [_record(i, t, [0.01, 0.02]) for i, t in enumerate(ttfts)]
+        records = [_record(10.0 * i, t, [0.01, 0.02]) for i, t in enumerate(ttfts)]
         runs.append(BenchRun(rate, 1.0, summarize(records, 4.0, slo), records))
     return runs
 
@@ -468,3 +469,75 @@ def test_grpc_client_timing() -> None:
 
     record = asyncio.run(go())
     _check_timing(record, 5)
+
+
+# --------------------------------------------------------------------------- honest sweeps
+
+
+def _paced_run(rate: float, n: int, sent_every: float, done_every: float, e2e: float = 0.2):
+    """``n`` requests sent every ``sent_every`` s, completing every ``done_every`` s (a server
+    that keeps up completes as fast as they come; one that falls behind, slower)."""
+    records = []
+    for i in range(n):
+        start, end = i * sent_every, e2e + i * done_every
+        records.append(RequestRecord(start, start + 0.05, [start + 0.05, end], end, 8, 2))
+    slo = SLOConfig(ttft_ms=100)
+    return BenchRun(rate, 1.0, summarize(records, records[-1].end_s, slo), records)
+
+
+def test_a_server_that_falls_behind_misses_even_when_its_slos_looked_met() -> None:
+    """The user's case: 8 req/s offered, ~4 achieved, every TTFT inside the SLO because the
+    run ended before the queue showed: that rate missed, and the report says why."""
+    kept_up = _paced_run(4.0, 120, 0.25, 0.25)
+    behind = _paced_run(8.0, 240, 0.125, 0.253)
+    assert kept_up.report.overall_attainment == behind.report.overall_attainment == 1.0
+    assert sweep_limit([kept_up, behind], 0.9) == (4.0, 8.0)
+    (warning,) = run_warnings(behind)
+    assert "achieved 3.95 req/s of 8.00 sent: the server fell behind" in warning
+    assert run_warnings(kept_up) == []
+    text = render_markdown({}, [kept_up, behind], 0.9)
+    assert "**4 req/s** (8 req/s missed it)" in text and "**Warning:** achieved 3.95" in text
+
+
+def test_a_sweep_of_short_runs_finds_no_limit() -> None:
+    short = [_paced_run(rate, 40, 1 / rate, 1 / rate) for rate in (4.0, 8.0)]  # 10 s and 5 s
+    verdict = sweep_verdict(short, 0.9)
+    assert verdict.startswith("Not found: runs whose arrivals span under 20 s (the shortest 5 s)")
+    assert any("too short for a queue to build" in w for w in run_warnings(short[0]))
+
+
+def test_a_starved_client_is_warned_about() -> None:
+    """Token events stamped together (gaps of 0 ms) are the client's, not the server's."""
+    records = [
+        RequestRecord(i, i + 0.1, [i + 0.1, *([i + 0.2] * 9)], i + 0.2, 8, 10) for i in range(30)
+    ]
+    run = BenchRun(1.0, 1.0, summarize(records, 30.2, SLOConfig()), records)
+    assert any("the client read events in bursts" in w for w in run_warnings(run))
+
+
+def test_duration_sets_the_prompts_of_each_rate() -> None:
+    args = load.argparse.Namespace(duration=30.0, num_prompts=100)
+    assert load.prompts_per_rate(args, [1.0, 2.5, math.inf]) == [30, 75, 100]
+    args.duration = None
+    assert load.prompts_per_rate(args, [1.0, 2.0]) == [100, 100]
+
+
+def test_a_401_says_to_pass_the_api_key(capsys: pytest.CaptureFixture[str]) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class KeyWanted(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # http.server's name
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeyWanted)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert load.main(["--url", url, "--num-prompts", "1", "--no-progress"]) == 2
+    finally:
+        server.shutdown()
+    assert "wants an API key (HTTP 401): pass --api-key KEY" in capsys.readouterr().err
