@@ -7,6 +7,14 @@ counted by status; successful and failed ones go to ``LiveSLOStats`` (the ``/slo
 requests the client abandoned do not (they are neither good nor bad service).
 
 Metrics live in a registry owned by the ``RouterMetrics`` object, never the process-global one.
+
+vLLM's names are exported beside pdserve's, with a ``model_name`` label, so a Grafana dashboard
+built for vLLM reads the router unchanged: ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds`` (and its older name ``vllm:time_per_output_token_seconds``),
+``vllm:e2e_request_latency_seconds`` (histograms, the same observations as pdserve's),
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, and the decode pool's engines
+summed at scrape time: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (their mean; also as ``vllm:gpu_cache_usage_perc``).
 """
 
 from __future__ import annotations
@@ -84,18 +92,65 @@ class _SpecDecodeCollector(Collector):
         yield length
 
 
+class _VllmEngineCollector(Collector):
+    """vLLM's engine gauges, from the decode pool's heartbeat loads at scrape time."""
+
+    def __init__(self, loads: Callable[[], list[tuple[str, NodeLoad]]], model_name: str) -> None:
+        self._loads, self._model = loads, model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        loads = [load for _, load in self._loads()]
+        usage = sum(load.kv_usage for load in loads) / len(loads) if loads else 0.0
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests running (decode pool)",
+             sum(load.num_running for load in loads)),
+            ("vllm:num_requests_waiting", "Requests waiting (decode pool)",
+             sum(load.num_waiting for load in loads)),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full (decode pool mean)", usage),
+            ("vllm:gpu_cache_usage_perc", "KV cache usage (vLLM's older name)", usage),
+        ):  # fmt: skip
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
+
+
+class _VllmNames:
+    """The request metrics under vLLM's names, observed with pdserve's own."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def histogram(name: str, doc: str) -> Histogram:
+            made = Histogram(
+                name, doc, ["model_name"], buckets=_LATENCY_BUCKETS_S, registry=registry
+            )
+            return made.labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency")
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Inter-token latency")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency")
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens", ["model_name"], registry=registry
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens", ["model_name"], registry=registry
+        ).labels(model_name)
+
+
 class RouterMetrics:
-    """Every metric the router exports, plus the live SLO window."""
+    """Every metric the router exports, plus the live SLO window. ``model_name``: the served
+    name, the ``model_name`` label of vLLM's names."""
 
     def __init__(
         self,
         instance_counts: Callable[[], dict[tuple[str, str], int]],
         slo: LiveSLOStats,
         decode_loads: Callable[[], list[tuple[str, NodeLoad]]] = list,
+        model_name: str = "",
     ) -> None:
         self.registry = CollectorRegistry()
         self.slo = slo
         r = self.registry
+        self.vllm = _VllmNames(r, model_name)
         self.requests = Counter(
             "pdserve_router_requests", "Finished requests", ["endpoint", "status"], registry=r
         )
@@ -135,6 +190,7 @@ class RouterMetrics:
         )
         self.registry.register(_InstanceCollector(instance_counts))
         self.registry.register(_SpecDecodeCollector(decode_loads))
+        self.registry.register(_VllmEngineCollector(decode_loads, model_name))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
@@ -168,10 +224,15 @@ class RequestMeter:
         if count <= 0:
             return
         now = time.perf_counter()
+        m = self._metrics
         if self.token_times_s:
-            self._metrics.itl.observe(now - self.token_times_s[-1])
+            gap = now - self.token_times_s[-1]
+            m.itl.observe(gap)
+            m.vllm.itl.observe(gap)
+            m.vllm.tpot.observe(gap)
         else:
-            self._metrics.ttft.observe(now - self.start_s)
+            m.ttft.observe(now - self.start_s)
+            m.vllm.ttft.observe(now - self.start_s)
         self.token_times_s.append(now)
 
     def finish(
@@ -196,6 +257,9 @@ class RequestMeter:
             m.e2e.observe(end_s - self.start_s)
             m.prompt_tokens.inc(prompt_tokens)
             m.output_tokens.inc(output_tokens)
+            m.vllm.e2e.observe(end_s - self.start_s)
+            m.vllm.prompt_tokens.inc(prompt_tokens)
+            m.vllm.generation_tokens.inc(output_tokens)
         if status == "aborted" or (status == "ok" and not self.token_times_s):
             return
         ok = status == "ok"

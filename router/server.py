@@ -124,6 +124,7 @@ def build_router(config: RouterConfig) -> Router:
         registry.state_counts,
         slo,
         lambda: [(i.instance_id, i.load) for i in registry.instances(Role.DECODE)],
+        model_name=served.name,
     )
     flow = RequestFlow(
         registry,

@@ -37,3 +37,32 @@ def test_no_speculation_reads_zero() -> None:
     got = scrape(metrics)
     assert got[("pdserve_decode_spec_acceptance_rate", ())] == 0
     assert got[("pdserve_decode_draft_tokens_total", (("instance", "d0"),))] == 0
+
+
+def test_vllm_names_beside_pdserves() -> None:
+    """A Grafana dashboard built for vLLM finds its series: the same observations under vLLM's
+    names with a model_name label, and the decode pool's engine gauges."""
+    loads = [
+        ("d0", NodeLoad(num_running=3, num_waiting=1, kv_usage=0.5)),
+        ("d1", NodeLoad(num_running=2, num_waiting=4, kv_usage=0.25)),
+    ]
+    metrics = RouterMetrics(dict, LiveSLOStats(parse_slo("")), lambda: loads, model_name="m")
+    meter = metrics.start("completions")
+    meter.tokens(1)
+    meter.tokens(2)
+    meter.finish("ok", prompt_tokens=7, output_tokens=3)
+    got = scrape(metrics)
+    model = (("model_name", "m"),)
+    assert got[("vllm:num_requests_running", model)] == 5
+    assert got[("vllm:num_requests_waiting", model)] == 5
+    assert got[("vllm:kv_cache_usage_perc", model)] == 0.375
+    assert got[("vllm:prompt_tokens_total", model)] == 7
+    assert got[("vllm:generation_tokens_total", model)] == 3
+    for name, count in (
+        ("vllm:time_to_first_token_seconds", 1),
+        ("vllm:inter_token_latency_seconds", 1),
+        ("vllm:time_per_output_token_seconds", 1),
+        ("vllm:e2e_request_latency_seconds", 1),
+    ):
+        assert got[(f"{name}_count", model)] == count, name
+    assert got[("pdserve_router_ttft_seconds_count", ())] == 1  # pdserve's own stay
