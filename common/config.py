@@ -122,6 +122,10 @@ class EngineConfig:
     # ranks the model is split over (common/parallel/): rank 0 in this process, the others
     # in worker processes; 1 is the single-device engine with no extra process
     tensor_parallel_size: int = 1
+    # prepare structured outputs (xgrammar, the tokenizer's grammar data) on a worker thread
+    # from start-up, so the first grammar costs what the second does (nodes); otherwise from
+    # the first constrained request on. Never on the engine loop either way.
+    prepare_structured_outputs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):

@@ -40,6 +40,7 @@ from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams
 from common.scheduler import EngineCoreOutput, EngineStats, Scheduler, SchedulerOutput
 from common.spec_decode import make_proposer
+from common.structured_prepare import PreparedStructuredOutputs
 
 if TYPE_CHECKING:
     from common.kv_connector import ConnectorFactory
@@ -97,7 +98,9 @@ class EngineCore:
             # proposals need each step's tokens on the host before the next step is scheduled
             self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, StepResult | None] | None = None
-        self._structured: StructuredOutputs | None = None  # built at the first grammar
+        self._structured: PreparedStructuredOutputs | None = None  # at the first grammar
+        if config.prepare_structured_outputs:  # a node: ready before the first grammar comes
+            self._structured_outputs().start()
         self._refused: list[tuple[str, str]] = []  # (request id, reason) after add_request
 
     # -- set-up ------------------------------------------------------------------------------
@@ -205,14 +208,20 @@ class EngineCore:
             self._structured_outputs().add(request)
         self.scheduler.add_request(request)
 
-    def _structured_outputs(self) -> StructuredOutputs:
-        """The matchers (and the tokenizer's grammar cache), made at the first grammar."""
+    def _structured_outputs(self) -> PreparedStructuredOutputs:
+        """The matchers (and the tokenizer's grammar cache), prepared on a worker thread from
+        the first grammar on (or from start-up: ``prepare_structured_outputs``); never on the
+        engine loop (``common/structured_prepare.py``)."""
         if self._structured is None:
-            from common.structured_output import GrammarCache, StructuredOutputs
-
-            cache = GrammarCache(self.model_dir, self.vocab_size, self.eos_token_ids)
-            self._structured = StructuredOutputs(cache)
+            self._structured = PreparedStructuredOutputs(self._build_structured_outputs)
         return self._structured
+
+    def _build_structured_outputs(self) -> StructuredOutputs:
+        """Worker thread: xgrammar imported, the tokenizer's grammar data built."""
+        from common.structured_output import GrammarCache, StructuredOutputs
+
+        cache = GrammarCache(self.model_dir, self.vocab_size, self.eos_token_ids)
+        return StructuredOutputs(cache)
 
     def take_refused(self) -> list[tuple[str, str]]:
         """Requests refused after ``add_request`` accepted them (a grammar that does not
@@ -332,7 +341,7 @@ class EngineCore:
             self._structured.accept(outputs)
         return outputs
 
-    def _poll_grammars(self, structured: StructuredOutputs) -> None:
+    def _poll_grammars(self, structured: PreparedStructuredOutputs) -> None:
         refused = structured.poll()
         if refused:
             ids = [request_id for request_id, _ in refused]

@@ -98,6 +98,7 @@ class NodeOptions:
             # decode nodes only: a prefill samples one token, a draft model would only take memory
             kwargs["speculative_config"] = self.speculative()
         max_waiting = (self.max_num_seqs or 256) + self.max_queue
+        kwargs["prepare_structured_outputs"] = True  # a node's first grammar never waits
         return EngineConfig.from_kwargs(
             model=self.model,
             kv_store=self.kv_store,

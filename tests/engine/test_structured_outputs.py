@@ -140,11 +140,11 @@ def test_bad_spec_is_refused_and_engine_stays_up(llm, spec, words):
 def test_compiling_request_does_not_stall_others(llm):
     """A request whose grammar is still compiling waits; the others' steps go on."""
     engine = llm.engine
+    structured = engine._structured_outputs().wait(timeout_s=300)  # xgrammar ready
+    assert structured is not None
     engine.add_request("free", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.add_request("held", [5, 6, 7], constrained(0, regex="[0-9]{3}"))
     engine.scheduler.requests["held"].waiting_for_grammar = True
-    structured = engine._structured
-    assert structured is not None
     pending = structured._pending.pop("held")  # as if its compile were slow
     outs = [o for _ in range(6) for o in engine.step()]
     assert [o.request_id for o in outs if o.finish_reason] == ["free"]
