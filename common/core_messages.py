@@ -104,7 +104,8 @@ class RequestError(Message, tag="request_error"):
     message: str
 
 
-ERROR_CODES = ("invalid_argument", "resource_exhausted")
+# request_failed: a step failed because of the request (it ended; the engine goes on)
+ERROR_CODES = ("invalid_argument", "resource_exhausted", "request_failed")
 
 
 class LoadStats(EngineStats, Message, tag="load", kw_only=True):

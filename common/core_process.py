@@ -10,8 +10,10 @@ Sockets: ZeroMQ ``ipc://`` in a private (0700) directory that the frontend creat
 process connects a PULL socket (input) and a PUSH socket (output). Everything on them is a
 ``common.core_messages`` message (msgpack). A refused request (``ValueError``,
 ``QueueFullError``, or an ``AddRequest`` that does not decode) is answered with a
-``RequestError`` for that request; any other malformed message is logged and dropped; any other
-exception is fatal: the process sends ``Fatal`` and exits non-zero.
+``RequestError`` for that request; any other malformed message is logged and dropped. A step
+that raises fails the request that caused it (``request_failed``; ``common/step_faults.py``)
+and the loop goes on; an exception no request can be blamed for is fatal: the process sends
+``Fatal`` and exits non-zero.
 """
 
 from __future__ import annotations
@@ -210,6 +212,9 @@ class EngineCoreProc:
         for request_id, reason in self.engine.take_refused():  # grammars that did not compile
             self.clocks.drop(request_id)
             self._send(RequestError(request_id, "invalid_argument", reason))
+        for request_id, reason in self.engine.take_failed():  # a step failed because of it
+            self.clocks.drop(request_id)
+            self._send(RequestError(request_id, "request_failed", reason))
         if outputs:
             timings = [self.clocks.first_output(o.request_id) for o in outputs]
             self._send(Outputs(outputs, timings))

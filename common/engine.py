@@ -40,6 +40,7 @@ from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams
 from common.scheduler import EngineCoreOutput, EngineStats, Scheduler, SchedulerOutput
 from common.spec_decode import make_proposer
+from common.step_faults import StepFaults
 from common.structured_prepare import PreparedStructuredOutputs
 
 if TYPE_CHECKING:
@@ -102,6 +103,9 @@ class EngineCore:
         if config.prepare_structured_outputs:  # a node: ready before the first grammar comes
             self._structured_outputs().start()
         self._refused: list[tuple[str, str]] = []  # (request id, reason) after add_request
+        self._faults = StepFaults()  # requests of failed steps (common/step_faults.py)
+        self._failed: list[tuple[str, str]] = []  # (request id, reason): failed in a step
+        self._scheduled: SchedulerOutput | None = None  # the step being run
 
     # -- set-up ------------------------------------------------------------------------------
     def _make_runner(self) -> ModelRunner:
@@ -269,6 +273,10 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")
+        for name in ("logprobs", "prompt_logprobs"):  # top-k over the vocabulary, at most
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} exceeds the vocabulary size ({self.vocab_size})")
         bad = [t for t in (*prompt, *outputs) if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
@@ -294,32 +302,82 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """One turn of the loop. Serial: schedule, run, return this step's outputs. Overlapped:
-        schedule and launch this step, then return the outputs of the one before it."""
+        schedule and launch this step, then return the outputs of the one before it.
+
+        A step that raises fails the request that caused it (see ``common/step_faults``; the
+        others go on, and ``take_failed`` says which failed and why); the engine stays up. An
+        exception no request of a step can be blamed for is raised."""
+        self._requeue_held()
+        outputs: list[EngineCoreOutput] = []
+        suspects = self._in_flight[0].scheduled if self._in_flight is not None else []
+        self._scheduled = None
+        try:
+            self._step(outputs)
+        except Exception as error:
+            if self._scheduled is not None:
+                suspects = [*suspects, *self._scheduled.scheduled]
+            self._contain(error, [item.request for item in suspects])
+            return outputs
+        if self._scheduled is not None:
+            self._faults.passed(item.request.request_id for item in self._scheduled.scheduled)
+        return outputs
+
+    def _step(self, outputs: list[EngineCoreOutput]) -> None:
+        """The step's phases; its outputs are appended to ``outputs`` as they are made."""
         if self.connector is not None:
             self._poll_connector()
         if self._structured is not None:
             self._poll_grammars(self._structured)
-        outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self.scheduler.must_sync(self._in_flight[0]):
-            outputs = self._finish_in_flight()
+            outputs += self._finish_in_flight()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        sched_out = self.scheduler.schedule()
+        sched_out = self._scheduled = self.scheduler.schedule()
         if sched_out.is_empty:
             if sched_out.connector_meta is not None:
                 self.runner.start_loads(sched_out.connector_meta)
             outputs += self._finish_in_flight()
             if not outputs and (self.scheduler.loading or self._num_compiling()):
                 time.sleep(0.0005)  # only loads or compiles in flight: don't spin a core
-            return outputs
+            return
         if self._structured is not None:
             sched_out.grammar_bitmask = self._structured.bitmask(sched_out)
         result = self.runner.execute(sched_out)
         if not self.async_scheduling:
-            return self._accepted(self._update(sched_out, result))
+            outputs += self._accepted(self._update(sched_out, result))
+            return
         outputs += self._finish_in_flight()
         self._in_flight = (sched_out, result)
-        return outputs
+
+    # -- a step that failed ------------------------------------------------------------------
+    def _contain(self, error: Exception, suspects: list[Request]) -> None:
+        """Judge the requests of a failed step (``common/step_faults``): fail the culprit,
+        roll back and hold the others. Raises ``error`` when there is nobody to blame."""
+        self._in_flight = None  # its tokens are not known: its requests recompute them
+        suspects = list({id(r): r for r in suspects if not r.is_finished}.values())
+        if not suspects:
+            raise error
+        logger.exception("a step failed (%d requests in it)", len(suspects), exc_info=error)
+        verdict = self._faults.judge(suspects)
+        for request in suspects:
+            self.scheduler.roll_back(request)
+        # the failed forward may have left its blocks half written: no cache hit may read them
+        self.kv_cache_manager.reset_prefix_cache()
+        ids = [request.request_id for request in verdict.failed]
+        self.abort(ids)
+        reason = f"the request failed in the engine: {type(error).__name__}: {error}"
+        self._failed += [(request_id, reason) for request_id in ids]
+
+    def _requeue_held(self) -> None:
+        """Return the next held request to the scheduler when the one on trial is cleared."""
+        request = self._faults.next_trial(set(self.scheduler.requests))
+        if request is not None:
+            self.scheduler.requeue(request)
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        """Requests a failed step ended, as (request id, reason), each once."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         if self._in_flight is None:

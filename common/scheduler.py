@@ -316,6 +316,24 @@ class Scheduler:
         self.waiting.push(request)
         out.preempted_ids.append(request.request_id)
 
+    def roll_back(self, request: Request) -> None:
+        """Take ``request`` out of the batch after a step that failed (``common/step_faults``):
+        its blocks are freed and it will be recomputed, as after a preemption (its output
+        tokens stay), but it is not queued again until :meth:`requeue`. It stays known
+        (``requests``), so it can still be aborted."""
+        if request in self.running:
+            self.running.remove(request)
+        self.waiting.remove(request.request_id)
+        self.kv.free(request.request_id)
+        request.spec_token_ids = []
+        request.num_output_placeholders = 0
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+
+    def requeue(self, request: Request) -> None:
+        """Queue a rolled-back request again."""
+        self.waiting.push(request)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         asking: list[Request] = []  # the store is being asked, or the grammar compiles
         try:

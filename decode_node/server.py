@@ -153,7 +153,7 @@ class DecodeServicer(NodeRpcs, pb_grpc.DecodeServiceServicer):
                 async for item in stream:
                     yield responses.response([item, *stream.ready()])
             except CoreRequestError as e:
-                if responses.first:
+                if responses.first or e.code == "request_failed":  # a status: not resumed
                     await abort_with(context, e)
                 yield responses.error(e)
 

@@ -30,7 +30,7 @@ import httpx
 
 from launcher.gpus import GpuAllocator, check_tp_fits
 from launcher.processes import ManagedProcess, StartupError
-from launcher.supervisor import RestartBudget, RestartPolicy
+from launcher.supervisor import RestartBudgets, RestartPolicy, exit_cause
 from router.autoscale.actuator import ActuatorError
 from router.autoscale.policy import Pool
 
@@ -117,7 +117,7 @@ class LocalProcessActuator:
         self.gave_up: set[Pool] = set()
         self._nodes: dict[Pool, list[LocalNode]] = {pool: [] for pool in Pool}
         self._wanted: dict[Pool, int] = {pool: 0 for pool in Pool}
-        self._budgets = {pool: RestartBudget(restart or RestartPolicy()) for pool in Pool}
+        self._budgets = {pool: RestartBudgets(restart or RestartPolicy()) for pool in Pool}
         self._tasks: set[asyncio.Task[None]] = set()
         self._respawns: set[asyncio.Task[None]] = set()
         self._watch: asyncio.Task[None] | None = None
@@ -129,7 +129,7 @@ class LocalProcessActuator:
         """Replace exited nodes from now on (``pdserve up`` starts without, to fail fast)."""
         if self.restart != restart:
             self.restart = restart
-            self._budgets = {pool: RestartBudget(restart) for pool in Pool}
+            self._budgets = {pool: RestartBudgets(restart) for pool in Pool}
         if self._watch is None:
             self._watch = asyncio.ensure_future(self._watch_nodes())
 
@@ -220,11 +220,12 @@ class LocalProcessActuator:
         if self.restart is None or pool in self.gave_up or self._closed:
             logger.warning("%s exited unexpectedly (%s):\n%s", name, code, tail)
             return
-        delay = self._budgets[pool].failed()
+        cause = exit_cause(node.process)
+        delay = self._budgets[pool].failed(cause)
         if delay is None:
             self.gave_up.add(pool)
             logger.error("%s exited (%s): %s nodes keep exiting (%s), not replacing them; "
-                         "log %s", name, code, pool.value, self._budgets[pool].describe(),
+                         "log %s", name, code, pool.value, self._budgets[pool].describe(cause),
                          node.process.log_path)  # fmt: skip
             return
         logger.warning("%s exited unexpectedly (%s): replacing it in %.1f s:\n%s",

@@ -6,18 +6,26 @@ doubles with each exit inside a sliding window (``first_delay_s``, ``2×``, … 
 ``max_failures`` exits inside ``window_s`` it is given up: one line says so, and whoever owns the
 child decides whether the rest can still serve. Exits older than the window are forgotten, so a
 child that crashes once a day is restarted every time, at once.
+
+Budgets count per cause (:class:`RestartBudgets`): what a child died of is its last error line
+(numbers and addresses blanked, so the same crash reads the same each time) or its exit status.
+A start-up that keeps failing the same way is given up after ``max_failures``; crashes of
+different causes (a request that killed an engine, a node SIGKILLed, the OOM killer) do not add
+up into one give-up. A request that kills engines is stopped at the router (quarantine), not by
+retiring the pool it walked through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from launcher.processes import ManagedProcess, StartupError
+from launcher.processes import ManagedProcess, StartupError, last_error
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +69,41 @@ class RestartBudget:
         return f"{len(self._exits)} exits in {self.policy.window_s:g} s"
 
 
+_VARYING = re.compile(r"0x[0-9a-fA-F]+|\d+")
+MAX_CAUSES = 64  # distinct causes remembered per child or pool (the oldest are forgotten)
+
+
+def exit_cause(process: ManagedProcess) -> str:
+    """What ``process`` (exited) died of: its last error line with numbers blanked, or its
+    exit status when the log says nothing of an error."""
+    line = last_error(process.log_tail(60))
+    if line == "no output" or not re.search(r"Error|Exception|Killed|fatal", line, re.I):
+        return f"exit status {process.proc.returncode}"
+    return _VARYING.sub("N", line)[:200]
+
+
+class RestartBudgets:
+    """One :class:`RestartBudget` per cause of exit (see the module NOTE)."""
+
+    def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self.clock = clock
+        self._budgets: dict[str, RestartBudget] = {}
+
+    def failed(self, cause: str) -> float | None:
+        """Record an exit of ``cause`` now; the delay before restarting, or None: give up."""
+        budget = self._budgets.pop(cause, None) or RestartBudget(self.policy, self.clock)
+        self._budgets[cause] = budget  # most recent last
+        while len(self._budgets) > MAX_CAUSES:
+            del self._budgets[next(iter(self._budgets))]
+        return budget.failed()
+
+    def describe(self, cause: str) -> str:
+        budget = self._budgets.get(cause)
+        counted = budget.describe() if budget is not None else "no exits"
+        return f"{counted} of this cause: {cause}"
+
+
 StartFn = Callable[[], Awaitable[ManagedProcess]]
 
 
@@ -76,7 +119,7 @@ class Supervised:
         self.name = name
         self.process = process
         self.start = start
-        self.budget = RestartBudget(policy)
+        self.budgets = RestartBudgets(policy)
         self.gave_up = False
         self.restarts = 0
         self._restart: asyncio.Task[None] | None = None
@@ -91,11 +134,12 @@ class Supervised:
             return False
         code = self.process.proc.returncode
         self.process.kill_orphans()  # what it started (an engine core, a node) goes with it
-        delay = self.budget.failed()
+        cause = exit_cause(self.process)
+        delay = self.budgets.failed(cause)
         if delay is None:
             self.gave_up = True
             logger.error("%s exited (%s) and keeps exiting (%s): not restarting it; log %s",
-                         self.name, code, self.budget.describe(), self.process.log_path)  # fmt: skip
+                         self.name, code, self.budgets.describe(cause), self.process.log_path)  # fmt: skip
             return False
         logger.warning("%s exited unexpectedly (%s): restarting in %.1f s; log %s",
                        self.name, code, delay, self.process.log_path)  # fmt: skip

@@ -37,6 +37,8 @@ _STATUS_CODES = {
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "already_exists": grpc.StatusCode.ALREADY_EXISTS,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
+    # the request failed inside the engine, which goes on: the router does not retry it
+    "request_failed": grpc.StatusCode.ABORTED,
 }
 
 

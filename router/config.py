@@ -40,12 +40,14 @@ class RouterConfig:
     # Deprecated: the nodes report their block size. Set, it is checked against them.
     block_size: int | None = None
     max_retries: int = 3
+    quarantine_after: int = 3  # instances a request may fail before it is refused
     prefill_timeout_s: float = 300.0
     decode_stall_timeout_s: float = 300.0
     prefill_fallback: bool = True  # no prefill path: a decode node runs the request whole
     max_inflight: int = 1024
     max_n: int = 8
     max_logprobs: int = 20
+    max_prompt_tokens: int | None = None  # None: the nodes' context is the only bound
     max_body_bytes: int = 4 * 2**20
     max_header_bytes: int = 16 * 2**10
     max_json_depth: int = 64  # JSON bodies nested deeper are refused before parsing
@@ -82,13 +84,15 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("block_size", "max_model_len"):
+        for name in ("block_size", "max_model_len", "max_prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.http_keep_alive_s <= 0:
             raise ValueError("http_keep_alive_s must be > 0")
         if self.max_retries < 0 or self.max_logprobs < 0:
             raise ValueError("max_retries and max_logprobs must be >= 0")
+        if self.quarantine_after < 1:
+            raise ValueError("quarantine_after must be >= 1")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -142,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--block-size", type=int, default=None,
       help="deprecated: nodes report their block size; set, a node with another is refused")  # fmt: skip
     a("--max-retries", type=int, default=d.max_retries, help="retries per prefill / decode")
+    a("--quarantine-after", type=int, default=d.quarantine_after,
+      help="refuse a request (and its resends) once this many instances failed running it")  # fmt: skip
     a("--prefill-timeout", dest="prefill_timeout_s", type=float, default=d.prefill_timeout_s)
     a("--decode-stall-timeout", dest="decode_stall_timeout_s", type=float,
       default=d.decode_stall_timeout_s, help="resume elsewhere after this long without output")  # fmt: skip
@@ -150,6 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-inflight", type=int, default=d.max_inflight, help="over it: 429")
     a("--max-n", type=int, default=d.max_n)
     a("--max-logprobs", type=int, default=d.max_logprobs)
+    a("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+      help="longest prompt accepted, in tokens (default: the nodes' context)")  # fmt: skip
     a("--max-body-bytes", type=int, default=d.max_body_bytes)
     a("--max-header-bytes", type=int, default=d.max_header_bytes)
     a("--max-json-depth", type=int, default=d.max_json_depth,

@@ -21,8 +21,9 @@ from pdserve_proto.convert import wire_rounded
 from common.sampling_params import SamplingParams
 from router.errors import RouterError, invalid_request, no_instance, overloaded
 from router.flow import GenerateSpec, RequestFlow, Usage
+from router.limits import Limits, check_params, check_prompt_length
 from router.metrics import RouterMetrics
-from router.openai_models import Limits, param_of
+from router.openai_models import param_of
 from router.prompts import PromptProcessor
 from router.sample import SampleDelta
 
@@ -94,13 +95,10 @@ class RouterCore:
         ``params.max_tokens`` None means "up to the context"; ``params`` is not modified. The
         spec's float parameters are rounded as the wire rounds them (``wire_rounded``).
         """
+        check_params(params, self.limits)  # the one table: gRPC's requests meet it here
+        check_prompt_length(len(prompt_token_ids), self.limits)
         self.prompts.check_token_ids(prompt_token_ids)
         self.prompts.check_token_ids(params.stop_token_ids, param="stop_token_ids")
-        cap = self.limits.max_logprobs
-        if params.logprobs is not None and params.logprobs > cap:  # gRPC's are checked here
-            raise invalid_request(
-                f"logprobs must be in [0, {cap}], got {params.logprobs}", "logprobs"
-            )
         try:
             params = wire_rounded(params)  # hold exactly what the nodes will run
         except ValueError as exc:  # "temperature must be a finite number, got nan"

@@ -101,6 +101,17 @@ def upstream_failure(message: str) -> RouterError:
     )
 
 
+def request_failed(message: str) -> RouterError:
+    """500: the request failed inside a node's engine (its own doing: not retried)."""
+    return RouterError(
+        message,
+        status=500,
+        error_type="server_error",
+        code="request_failed",
+        grpc_code=grpc.StatusCode.INTERNAL,
+    )
+
+
 def unauthorized(message: str = "invalid or missing API key") -> RouterError:
     """401: the Bearer token is missing or wrong."""
     return RouterError(

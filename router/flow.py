@@ -8,7 +8,14 @@ NOTE on faults. Failures are classified by gRPC status code (``_classify``):
   step is retried on another instance, at most ``max_retries`` times per step;
 - *busy* (RESOURCE_EXHAUSTED) — the instance is full: try another; if every candidate is full
   the client gets 429 / RESOURCE_EXHAUSTED;
+- *failed* (ABORTED) — the request failed inside the node's engine, which goes on serving:
+  the request's own doing, never retried (500 ``request_failed`` to the client);
 - anything else (INVALID_ARGUMENT, …) is the request's fault and goes back to the client.
+
+An instance that fails while running a request counts against that request
+(``router.quarantine``): after ``quarantine_after`` distinct instances it is refused, with its
+resends, and never falls back to a decode node, so one request that kills engines cannot walk the
+pool.
 
 A prefill that fails before its first token cannot have sent anything, so retrying it elsewhere
 duplicates nothing. When no prefill path is left (no healthy instance, or every attempt failed)
@@ -31,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Callable
@@ -44,9 +52,17 @@ from pdserve_proto.convert import finish_reason_from_proto, prompt_logprobs_from
 from common.block_hash import hash_blocks
 from common.sampling_params import SamplingParams
 from router.balancer import DecodePolicy, PrefillPolicy, PromptInfo
-from router.errors import RouterError, invalid_request, no_instance, overloaded, upstream_failure
+from router.errors import (
+    RouterError,
+    invalid_request,
+    no_instance,
+    overloaded,
+    request_failed,
+    upstream_failure,
+)
 from router.merge import merged
 from router.node_clients import NodeClients
+from router.quarantine import Quarantine
 from router.registry import Instance, Registry, Role
 from router.sample import SampleDelta, SampleState, sample_seed, to_proto_sampling
 
@@ -70,10 +86,14 @@ class FlowConfig:
     prefill_timeout_s: float = 300.0
     decode_stall_timeout_s: float = 300.0
     prefill_fallback: bool = True  # no prefill path: a decode node prefills locally
+    quarantine_after: int = 3  # instances a request may fail before it is refused
+    quarantine_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        if self.quarantine_after < 1 or self.quarantine_s <= 0:
+            raise ValueError("need quarantine_after >= 1 and quarantine_s > 0")
         if self.prefill_timeout_s <= 0 or self.decode_stall_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
 
@@ -96,6 +116,11 @@ class GenerateSpec:
     def upstream_id(self, index: int, step: str) -> str:
         return f"{self.request_id}-{self.nonce}-{index}-{step}"
 
+    @functools.cached_property
+    def fault_key(self) -> bytes:
+        """What the quarantine knows the request by (``Quarantine.key``)."""
+        return Quarantine.key(self.prompt_token_ids, self.params)
+
 
 @dataclass
 class Usage:
@@ -110,12 +135,15 @@ class _Fault(enum.Enum):
     TRANSPORT = "transport"
     BUSY = "busy"
     REQUEST = "request"
+    FAILED = "failed"  # the request failed in the node's engine (which goes on)
 
 
 def _classify(exc: grpc.aio.AioRpcError) -> _Fault:
     code = exc.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return _Fault.BUSY
+    if code == grpc.StatusCode.ABORTED:
+        return _Fault.FAILED
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         return _Fault.REQUEST
     if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
@@ -162,6 +190,7 @@ class RequestFlow:
         self.decode_policy = decode_policy
         self.config = config
         self.on_fallback = on_fallback  # called with the reason of each prefill fallback
+        self.quarantine = Quarantine(config.quarantine_after, config.quarantine_s)
         self._aborts: set[asyncio.Task[None]] = set()
 
     def prompt_info(self, token_ids: list[int]) -> PromptInfo:
@@ -177,6 +206,7 @@ class RequestFlow:
         Raises RouterError. Closing the iterator (or cancelling its consumer) aborts upstream.
         """
         usage.prompt_tokens = len(spec.prompt_token_ids)
+        self.quarantine.check(spec.fault_key)
         prompt = self.prompt_info(spec.prompt_token_ids)
         samples = [self._sample(spec, i, prompt, usage) for i in range(spec.params.n)]
         # aclosing: closing this generator must close the inner ones at once (cancel upstream)
@@ -269,12 +299,12 @@ class RequestFlow:
             try:
                 response = await self._call_prefill(instance, request, prompt.num_tokens)
             except grpc.aio.AioRpcError as exc:
-                last_fault = self._on_rpc_error(instance, exc, "prefill")
+                last_fault = self._on_rpc_error(spec, instance, exc, "prefill")
                 usage.retries += 1
                 continue
             except _NodeGaveUp as exc:
                 logger.warning("prefill on %s gave up: %s", instance.address, exc)
-                last_fault = _Fault.TRANSPORT
+                last_fault = self._failed_on(spec, instance)
                 usage.retries += 1
                 continue
             return response
@@ -345,11 +375,11 @@ class RequestFlow:
                     return
                 raise _NodeGaveUp("stream ended before the request finished")
             except grpc.aio.AioRpcError as exc:
-                last_fault = self._on_rpc_error(instance, exc, "decode")
+                last_fault = self._on_rpc_error(spec, instance, exc, "decode")
             except _NodeGaveUp as exc:
                 logger.warning("decode on %s gave up: %s", instance.address, exc)
                 self.registry.mark_failed(instance)
-                last_fault = _Fault.TRANSPORT
+                last_fault = self._failed_on(spec, instance)
             failures += 1
             usage.migrations += 1
             logger.info(
@@ -400,13 +430,20 @@ class RequestFlow:
         return None if item is grpc.aio.EOF else item
 
     # -- faults ------------------------------------------------------------------------------
-    def _on_rpc_error(self, instance: Instance, exc: grpc.aio.AioRpcError, step: str) -> _Fault:
-        """Classify a failed call; raise a RouterError when it is the request's own fault."""
+    def _on_rpc_error(
+        self, spec: GenerateSpec, instance: Instance, exc: grpc.aio.AioRpcError, step: str
+    ) -> _Fault:
+        """Classify a failed call; raise a RouterError when it is the request's own fault (or
+        it has now failed too many instances)."""
         fault = _classify(exc)
         if fault is _Fault.REQUEST:
             raise invalid_request(f"{step} rejected the request: {exc.details()}")
+        if fault is _Fault.FAILED:
+            logger.warning("%s on %s: %s", step, instance.address, exc.details())
+            raise request_failed(f"{step} failed: {exc.details()}")
         if fault is _Fault.TRANSPORT:
             self.registry.mark_failed(instance)
+            self._failed_on(spec, instance)
         logger.warning(
             "%s on %s failed (%s: %s); trying another instance",
             step,
@@ -415,6 +452,13 @@ class RequestFlow:
             exc.details(),
         )
         return fault
+
+    def _failed_on(self, spec: GenerateSpec, instance: Instance) -> _Fault:
+        """``instance`` failed while running ``spec``: counted against the request, which is
+        refused (RouterError) once quarantined."""
+        self.quarantine.failed(spec.fault_key, instance.instance_id)
+        self.quarantine.check(spec.fault_key)
+        return _Fault.TRANSPORT
 
     def _exhausted(self, step: str, last: _Fault | None, tried: set[str]) -> RouterError:
         if last is _Fault.BUSY:

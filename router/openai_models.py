@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 from router.errors import RouterError, invalid_request
+from router.limits import Limits, check_bounds
 
 
 def _valid_unicode(text: str) -> str:
@@ -41,16 +41,6 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
 Priority = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Caps on what one request may ask for; over a cap is a 400, not a silent clamp."""
-
-    max_n: int = 8
-    max_logprobs: int = 20
-    max_stop_strings: int = 16
-    max_prompts: int = 64  # prompts in one batched /v1/completions request
 
 
 class _Strict(BaseModel):
@@ -418,22 +408,21 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def check_caps(request: _SamplingRequest, limits: Limits) -> None:
-    """n, logprobs and stop strings within their caps (max_tokens is checked with the prompt)."""
+    """The request within the caps of ``router.limits`` (the one table, which
+    ``RouterCore.prepare`` checks again for gRPC too), named as the client named them;
+    max_tokens is checked with the prompt."""
     if isinstance(request, CompletionRequest) and len(request.prompts()) > limits.max_prompts:
         raise invalid_request(f"at most {limits.max_prompts} prompts in one request", "prompt")
-    if not 1 <= request.n <= limits.max_n:
-        raise invalid_request(f"n must be in [1, {limits.max_n}], got {request.n}", "n")
-    k = request.num_logprobs()  # type: ignore[attr-defined]
-    if k is not None and not 0 <= k <= limits.max_logprobs:
-        name = "logprobs" if isinstance(request, CompletionRequest) else "top_logprobs"
-        raise invalid_request(f"{name} must be in [0, {limits.max_logprobs}], got {k}", name)
-    k = request.prompt_logprobs
-    if k is not None and not 0 <= k <= limits.max_logprobs:
-        msg = f"prompt_logprobs must be in [0, {limits.max_logprobs}], got {k}"
-        raise invalid_request(msg, "prompt_logprobs")
-    stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
-    if len(stops) > limits.max_stop_strings:
-        raise invalid_request(f"at most {limits.max_stop_strings} stop strings", param="stop")
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop
+    values = {
+        "n": request.n,
+        "logprobs": request.num_logprobs(),  # type: ignore[attr-defined]
+        "prompt_logprobs": request.prompt_logprobs,
+        "stop": stops,
+        "stop_token_ids": request.stop_token_ids,
+    }
+    chat = isinstance(request, ChatCompletionRequest)
+    check_bounds(values, limits, {"logprobs": "top_logprobs"} if chat else None)
 
 
 def requested_max_tokens(request: _SamplingRequest) -> int | None:

@@ -38,10 +38,10 @@ from router.core import RouterCore, ServedModel
 from router.flow import FlowConfig, RequestFlow
 from router.grpc_api import RouterServicer
 from router.http_api import create_app
+from router.limits import Limits
 from router.maintenance import poll_static, run_maintenance
 from router.metrics import RouterMetrics
 from router.node_clients import NodeClients, NodeTLS
-from router.openai_models import Limits
 from router.prompts import PromptProcessor, keep_torch_out
 from router.registry import Registry, Role
 from router.security import HttpGuard, server_credentials
@@ -137,10 +137,15 @@ def build_router(config: RouterConfig) -> Router:
             config.prefill_timeout_s,
             config.decode_stall_timeout_s,
             config.prefill_fallback,
+            config.quarantine_after,
         ),
         on_fallback=metrics.prefill_fallback,
     )
-    limits = Limits(max_n=config.max_n, max_logprobs=config.max_logprobs)
+    limits = Limits(
+        max_n=config.max_n,
+        max_logprobs=config.max_logprobs,
+        max_prompt_tokens=config.max_prompt_tokens,
+    )
     core = RouterCore(served, prompts, flow, metrics, limits, config.max_inflight)
     guard = HttpGuard(
         config.api_key, config.max_body_bytes, config.max_header_bytes, config.max_json_depth

@@ -4,7 +4,7 @@ The fake "model" is a pure function: output token ``i`` of a request with seed `
 ``fake_token(s, i)``, wherever it is computed. So a decode resumed from ``output_token_ids``
 continues the same sequence, and any duplicated or missing token shows in the output.
 Behaviour is scripted per node (``fail``: ``None`` | ``"unavailable"`` | ``"busy"`` |
-``"invalid"``; ``die_after``: abort the decode stream with UNAVAILABLE after that many
+``"invalid"`` | ``"failed"``; ``die_after``: abort the decode stream with UNAVAILABLE after that many
 items, as a crashed node's connection reset would).
 """
 
@@ -90,6 +90,7 @@ async def _maybe_fail(script: Script, context: grpc.aio.ServicerContext) -> None
         "unavailable": grpc.StatusCode.UNAVAILABLE,
         "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
         "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+        "failed": grpc.StatusCode.ABORTED,  # the request failed in the node's engine
     }
     if script.fail is not None:
         await context.abort(codes[script.fail], f"scripted {script.fail}")

@@ -1,0 +1,69 @@
+"""A request that fails in an engine is not retried; one that fails instances is quarantined.
+
+Against fake nodes (``tests.router.fakes``): ABORTED is what a node answers when its engine
+failed a request and went on; UNAVAILABLE is what a router sees when a node dies under one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from router.errors import RouterError
+from router.quarantine import Quarantine
+from tests.router.test_flow import PROMPT, generate, run
+
+
+def _seen(h, role: str) -> int:  # type: ignore[no-untyped-def]
+    return sum(len(s.seen) for s in h.scripts(role))
+
+
+def test_a_request_that_failed_in_an_engine_is_not_retried() -> None:
+    async def test(h) -> None:  # type: ignore[no-untyped-def]
+        for script in h.scripts("prefill"):
+            script.fail = "failed"
+        with pytest.raises(RouterError) as info:
+            await generate(h, max_tokens=4)
+        assert (info.value.status, info.value.code) == (500, "request_failed")
+        assert _seen(h, "prefill") == 1 and _seen(h, "decode") == 0  # no retry, no fallback
+
+    run(test)
+
+
+def test_a_request_that_fails_instances_is_quarantined() -> None:
+    async def test(h) -> None:  # type: ignore[no-untyped-def]
+        for script in h.scripts("prefill"):
+            script.fail = "unavailable"
+        with pytest.raises(RouterError) as info:
+            await generate(h, max_tokens=4, seed=1)
+        assert (info.value.status, info.value.code) == (400, "request_quarantined")
+        assert _seen(h, "prefill") == 2 and _seen(h, "decode") == 0  # no fallback either
+        for script in h.scripts("prefill"):
+            script.fail = None
+        with pytest.raises(RouterError) as info:  # resent (another seed): refused at once
+            await generate(h, max_tokens=4, seed=2)
+        assert info.value.code == "request_quarantined" and _seen(h, "prefill") == 2
+        tokens, _, _ = await generate(h, max_tokens=5, seed=3)  # another request is served
+        assert len(tokens[0]) == 5
+
+    run(test, quarantine_after=2)
+
+
+def test_quarantine_counts_distinct_instances_and_expires() -> None:
+    now = [0.0]
+    quarantine = Quarantine(max_failures=2, ttl_s=60.0, clock=lambda: now[0])
+    key = Quarantine.key(PROMPT, SamplingParams(seed=1))
+    assert key == Quarantine.key(PROMPT, SamplingParams(seed=99))  # the seed is not the request
+    assert key != Quarantine.key([*PROMPT, 5], SamplingParams(seed=1))
+    quarantine.failed(key, "a")
+    quarantine.failed(key, "a")  # the same instance twice is one
+    quarantine.check(key)
+    now[0] = 30.0
+    quarantine.failed(key, "b")
+    with pytest.raises(RouterError):
+        quarantine.check(key)
+    now[0] = 89.0  # 59 s into the quarantine
+    with pytest.raises(RouterError):
+        quarantine.check(key)
+    now[0] = 91.0
+    quarantine.check(key)
