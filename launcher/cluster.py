@@ -203,8 +203,8 @@ class Cluster:
 
     def _start_router(self) -> None:
         env = self._env()
-        if self.config.api_key:
-            env["PDSERVE_API_KEY"] = self.config.api_key
+        if self.config.api_key:  # through the environment: argv is readable by every user
+            env["PDSERVE_API_KEY"] = env["PDSERVE_NODE_KEY"] = self.config.api_key
         self.router = ManagedProcess(
             "router", self._router_argv(), self.log_dir / "router.log", env
         )
@@ -268,13 +268,20 @@ class Cluster:
             log_dir=self.log_dir,
             model=self.config.model,
             extra_args=tuple(self.config.node_argv()),
-            env=self._env(),
+            env=self._node_env(),
             gpus=self.config.gpu_ids(),
             prefill_tp=self.config.prefill_tp,
             decode_tp=self.config.decode_tp,
             drain_timeout_s=30.0,
             startup_timeout_s=self.config.startup_timeout_s,
         )
+
+    def _node_env(self) -> dict[str, str]:
+        """A node's environment: with --api-key, the key it registers with."""
+        env = self._env()
+        if self.config.api_key:
+            env["PDSERVE_NODE_KEY"] = self.config.api_key
+        return env
 
     def _env(self) -> dict[str, str]:
         return child_env(self.marker, scrub_pdserve=True, TMPDIR=str(self.workdir / "tmp"))

@@ -55,6 +55,7 @@ class NodeOptions:
     router_tls_ca: str | None = None  # CA of a router serving TLS (enables TLS registration)
     router_tls_cert: str | None = None  # this node's certificate, for a mutual-TLS router
     router_tls_key: str | None = None
+    node_key: str | None = None  # the router's node key (sent as Bearer with every call)
     max_queue: int = 1024  # requests admitted beyond max_num_seqs; over it: RESOURCE_EXHAUSTED
     drain_timeout: float = 30.0  # seconds to finish in-flight work after SIGTERM/SIGINT
     startup_timeout: float = 600.0  # seconds for the engine core to come up
@@ -146,6 +147,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--router-tls-ca", str, "CA file of a router whose gRPC port serves TLS"),
     ("--router-tls-cert", str, "this node's certificate for a mutual-TLS router"),
     ("--router-tls-key", str, "this node's private key for a mutual-TLS router"),
+    ("--node-key", str, "the router's node key (its --node-key or --api-key); prefer the env"),
     ("--max-queue", int, "requests admitted beyond --max-num-seqs (default 1024)"),
     ("--drain-timeout", float, "seconds to finish in-flight work on SIGTERM (default 30)"),
     ("--startup-timeout", float, "seconds to wait for the engine core (default 600)"),

@@ -49,6 +49,7 @@ class RouterRegistration:
         rpc_timeout_s: float = 5.0,
         max_retry_s: float = 5.0,
         credentials: grpc.ChannelCredentials | None = None,
+        node_key: str | None = None,
     ) -> None:
         self.router = router
         self.request = request
@@ -57,6 +58,7 @@ class RouterRegistration:
         self.max_retry_s = max_retry_s
         self.interval_s = 5.0  # replaced by the router's heartbeat_interval_s
         self.registered = False
+        self._metadata = (("authorization", f"Bearer {node_key}"),) if node_key else ()
         self._channel = (
             grpc.aio.insecure_channel(router)
             if credentials is None
@@ -76,7 +78,9 @@ class RouterRegistration:
             self._task = None
         try:
             request = pb.DeregisterRequest(instance_id=self.request.instance_id)
-            await self._stub.Deregister(request, timeout=self.rpc_timeout_s)
+            await self._stub.Deregister(
+                request, timeout=self.rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as e:
             logger.info("deregister from %s failed: %s", self.router, e.code().name)
         await self._channel.close()
@@ -97,7 +101,12 @@ class RouterRegistration:
     def _log_failure(self, error: grpc.aio.AioRpcError, first: bool) -> None:
         """A refusal (this node cannot join the router's pool: another model or KV layout) is
         an error worth its reason every time; an unreachable router, a warning once."""
-        if error.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+        refusals = (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.UNAUTHENTICATED,  # --node-key missing or not the router's
+        )
+        if error.code() in refusals:
             logger.error("router %s refused this node: %s", self.router, error.details())
         elif first:
             logger.warning("router %s unreachable (%s): retrying", self.router, error.code().name)
@@ -107,14 +116,18 @@ class RouterRegistration:
         load = await self.load()
         if self.registered:
             heartbeat = pb.HeartbeatRequest(instance_id=self.request.instance_id, load=load)
-            reply = await self._stub.Heartbeat(heartbeat, timeout=self.rpc_timeout_s)
+            reply = await self._stub.Heartbeat(
+                heartbeat, timeout=self.rpc_timeout_s, metadata=self._metadata
+            )
             if reply.known:
                 return
             logger.info("router %s does not know this node: registering again", self.router)
         request = pb.RegisterRequest()
         request.CopyFrom(self.request)
         request.load.CopyFrom(load)
-        response = await self._stub.Register(request, timeout=self.rpc_timeout_s)
+        response = await self._stub.Register(
+            request, timeout=self.rpc_timeout_s, metadata=self._metadata
+        )
         if response.heartbeat_interval_s > 0:
             self.interval_s = response.heartbeat_interval_s
         self.registered = True

@@ -157,7 +157,11 @@ def _registration(
             options.router_tls_ca, options.router_tls_cert, options.router_tls_key
         )
     registration = RouterRegistration(
-        options.router, request, runtime.load_report, credentials=credentials
+        options.router,
+        request,
+        runtime.load_report,
+        credentials=credentials,
+        node_key=options.node_key,
     )
     registration.start()
     return registration

@@ -57,6 +57,7 @@ class RouterConfig:
     # the router never saw.
     http_keep_alive_s: float = 75.0
     api_key: str | None = None
+    node_key: str | None = None  # Register/Heartbeat/Deregister; None: the api_key
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
@@ -165,6 +166,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--http-keep-alive", dest="http_keep_alive_s", type=float, default=d.http_keep_alive_s,
       help="seconds an idle HTTP connection stays open (above clients' pool expiry)")  # fmt: skip
     a("--api-key", default=None, help="require Bearer KEY (or set PDSERVE_API_KEY)")
+    a("--node-key", default=None,
+      help="key nodes must present to register and heartbeat (default: --api-key; or set"
+           " PDSERVE_NODE_KEY, which keeps it off the command line)")  # fmt: skip
     a("--tls-cert", default=None, help="gRPC and HTTP server certificate (PEM)")
     a("--tls-key", default=None, help="its private key (PEM)")
     a("--tls-client-ca", default=None, help="require gRPC client certs signed by this CA")

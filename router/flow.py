@@ -443,7 +443,8 @@ class RequestFlow:
             raise request_failed(f"{step} failed: {exc.details()}")
         if fault is _Fault.TRANSPORT:
             self.registry.mark_failed(instance)
-            self._failed_on(spec, instance)
+            if _ran_it(exc):
+                self._failed_on(spec, instance)
         logger.warning(
             "%s on %s failed (%s: %s); trying another instance",
             step,
@@ -490,6 +491,15 @@ class RequestFlow:
         """Wait for background Aborts (at shutdown)."""
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
+
+
+def _ran_it(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a transport fault may be the request's doing: not when the call never reached
+    a node that could run it (nothing listening, or a node refusing it at the door while it
+    starts or drains), which the quarantine must not count against the request."""
+    details = exc.details() or ""
+    refused = ("failed to connect", "node is draining", "node is not ready")
+    return not (exc.code() == grpc.StatusCode.UNAVAILABLE and details.startswith(refused))
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -3,8 +3,11 @@ client front door (``Generate``, server-streaming).
 
 ``Register`` takes the node's ``NodeInfo`` (model, KV fingerprint, block size, max_model_len)
 and its load; a node the pool cannot take (another model or fingerprint, a layout the router's
-flags rule out) gets FAILED_PRECONDITION with both values named and is not added, and a request
-without info INVALID_ARGUMENT. ``Heartbeat`` refreshes the node's load: the one channel through
+flags rule out) gets FAILED_PRECONDITION and is not added (the pool's fingerprint is named in
+the router's log only), and a request without info INVALID_ARGUMENT. With a node key
+(``--node-key``, else ``--api-key``) Register, Heartbeat and Deregister require it as
+``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise): a rogue process cannot join the
+pool and receive prompts. ``Heartbeat`` refreshes the node's load: the one channel through
 which the registry's loads (balancing and autoscaling) arrive.
 
 ``Generate`` takes text (tokenized here, no chat template) or token ids, streams
@@ -48,15 +51,28 @@ logger = logging.getLogger(__name__)
 class RouterServicer(pb_grpc.RouterServiceServicer):
     """Implements RouterService on a ``RouterCore`` and a ``Registry``."""
 
-    def __init__(self, core: RouterCore, registry: Registry, api_key: str | None) -> None:
+    def __init__(
+        self,
+        core: RouterCore,
+        registry: Registry,
+        api_key: str | None,
+        node_key: str | None = None,
+    ) -> None:
         self.core = core
         self.registry = registry
         self.api_key = api_key
+        self.node_key = node_key  # None: nodes register without a key (a trusted network)
+
+    async def _check_node_key(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        if not bearer_ok(metadata.get("authorization"), self.node_key):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing node key")
 
     # -- registry ----------------------------------------------------------------------------
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
+        await self._check_node_key(context)
         try:
             role = role_from_proto(request.role)
             info = node_info_from_proto(request.info)
@@ -64,7 +80,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             self.registry.register(request.instance_id, role, request.address, info, load)
         except RegistrationRefused as exc:
             logger.warning("refused %s at %s: %s", request.instance_id, request.address, exc)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.public)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         logger.info("registered %s %s at %s", request.instance_id, role.value, request.address)
@@ -73,12 +89,14 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
+        await self._check_node_key(context)
         load = load_from_proto(request.load) if request.HasField("load") else None
         return pb.HeartbeatResponse(known=self.registry.heartbeat(request.instance_id, load))
 
     async def Deregister(
         self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeregisterResponse:
+        await self._check_node_key(context)
         instance = self.registry.deregister(request.instance_id)
         if instance is not None:
             logger.info("deregistered %s at %s", instance.instance_id, instance.address)

@@ -66,7 +66,13 @@ class Instance:
 
 class RegistrationRefused(ValueError):
     """A node the router cannot pool: another model, another KV layout than the instances it
-    has, or a block size / max_model_len its flags rule out."""
+    has, or a block size / max_model_len its flags rule out. ``public``: what the node is told
+    (never the pool's fingerprint: a caller probing with a bogus one must not learn the right
+    one); the full message is for the router's log."""
+
+    def __init__(self, message: str, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = public or message
 
 
 class Registry:
@@ -140,10 +146,12 @@ class Registry:
         pool = sorted({i.info.fingerprint for i in others if i.info is not None})
         if pool and info.fingerprint not in pool:
             # Every instance must share one KV layout, or decode nodes cannot read prefill KV.
+            why = "another model config, dtype, block size or cache shape"
             raise RegistrationRefused(
                 f"{name}'s KV layout fingerprint {info.fingerprint!r} differs from the pool's"
-                f" {', '.join(map(repr, pool))}: another model config, dtype, block size or"
-                " cache shape"
+                f" {', '.join(map(repr, pool))}: {why}",
+                public=f"{name}'s KV layout fingerprint {info.fingerprint!r} differs from the"
+                f" pool's: {why} (the router's log names both)",
             )
         wanted = self.expected_block_size
         if wanted is not None and info.block_size != wanted:

@@ -8,8 +8,10 @@
   out: a server that answers and closes with the body unread resets the connection, and the
   client, still writing, never sees the answer. JSON nesting is bounded before parsing
   (:func:`json_too_deep`): the parser recurses once per level.
-- gRPC: ``Generate`` checks the ``authorization`` metadata with :func:`bearer_ok`; node-facing
-  methods (Register/Heartbeat/Deregister) rely on mutual TLS where the network is not trusted.
+- gRPC: ``Generate`` checks the ``authorization`` metadata with :func:`bearer_ok` against the
+  API key; the node-facing methods (Register/Heartbeat/Deregister) against the node key
+  (``--node-key``, else the API key). Mutual TLS is the option where the network is not
+  trusted.
 - TLS: :func:`server_credentials` (optional client CA: mutual TLS).
 
 Keys are compared in constant time.

@@ -156,7 +156,7 @@ def build_router(config: RouterConfig) -> Router:
         clients,
         core,
         create_app(core, registry, guard),
-        RouterServicer(core, registry, config.api_key),
+        RouterServicer(core, registry, config.api_key, config.node_key or config.api_key),
     )
 
 
@@ -290,6 +290,7 @@ async def serve(config: RouterConfig, autoscale: AutoscaleSettings | None = None
             router.core.metrics,
             router_grpc,
             config.model,
+            config.node_key or config.api_key,
         )
     await asyncio.wait([asyncio.create_task(stop.wait()), http_task],
                        return_when=asyncio.FIRST_COMPLETED)  # fmt: skip

@@ -12,6 +12,7 @@ never imports the launcher (which imports only the leaves ``policy`` and ``actua
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import tempfile
 from dataclasses import dataclass, field
@@ -124,8 +125,11 @@ def _kubernetes(args: argparse.Namespace) -> KubernetesTarget:
     )
 
 
-def build_actuator(settings: AutoscaleSettings, router_grpc: str, model: str) -> Actuator:
-    """The configured actuator; local nodes register with ``router_grpc`` and serve ``model``."""
+def build_actuator(
+    settings: AutoscaleSettings, router_grpc: str, model: str, node_key: str | None = None
+) -> Actuator:
+    """The configured actuator; local nodes register with ``router_grpc`` (presenting
+    ``node_key``, passed in their environment) and serve ``model``."""
     from launcher import actuators
 
     if settings.actuator == "compose":
@@ -145,6 +149,7 @@ def build_actuator(settings: AutoscaleSettings, router_grpc: str, model: str) ->
         drain_timeout_s=settings.node_drain_timeout_s,
         prefill_tp=settings.policy.prefill_gpus,
         decode_tp=settings.policy.decode_gpus,
+        env={**os.environ, "PDSERVE_NODE_KEY": node_key} if node_key else None,
     )
     return actuators.LocalProcessActuator(launch)
 

@@ -188,9 +188,10 @@ async def start_autoscaler(
     metrics: RouterMetrics,
     router_grpc: str,
     model: str,
+    node_key: str | None = None,
 ) -> AutoscaleLoop:
     """Build the actuator and the loop, bring the pools to their initial size, start ticking."""
-    actuator = build_actuator(settings, router_grpc, model)
+    actuator = build_actuator(settings, router_grpc, model, node_key)
     loop = AutoscaleLoop(
         Autoscaler(settings.policy), actuator, registry, metrics, settings.interval_s
     )
