@@ -6,15 +6,27 @@ as the wire rounds them, ``max_tokens`` resolved against the nodes' context (the
 ``max_model_len``, from the registry), and a seed always set (random when the client gave none)
 so a decode resumed on another instance continues identically. ``RouterCore.run`` admits the request
 (``max_inflight``, else 429), runs the flow and meters it.
+
+NOTE (the event loop never blocks). Heartbeats, every stream and every other request share the
+router's one event loop, so a request's CPU-heavy part (parsing a large JSON body, the chat
+template, tokenizing) runs on a bounded thread pool (``RouterCore.offload``; the tokenizer
+releases the GIL while it works). Before tokenizing, a text that cannot fit is refused by its
+length alone (``check_text``): a token covers at most the longest piece of the vocabulary, so
+``len(text) / longest`` tokens is a lower bound. A 3.9 MB prompt once held the loop for 20 s and
+the router dropped every node for silence.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import random
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from typing import ParamSpec, TypeVar
 
 from pdserve_proto.convert import wire_rounded
 
@@ -28,6 +40,9 @@ from router.prompts import PromptProcessor
 from router.sample import SampleDelta
 
 _SEED_BITS = 63
+_CPU_WORKERS = 4  # threads for request parsing and tokenizing (bounded: the rest queue)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,27 @@ class RouterCore:
         self.max_inflight = max_inflight
         self.inflight = 0
         self._seeds = random.SystemRandom()
+        self._cpu = ThreadPoolExecutor(_CPU_WORKERS, thread_name_prefix="router-cpu")
+        vocab = prompts.tokenizer.get_vocab()
+        self._longest_piece = max((len(piece) for piece in vocab), default=1) or 1
+
+    async def offload(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)`` on the router's bounded CPU pool, off the event loop."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, call)
+
+    def check_text(self, text: str) -> None:
+        """400 when ``text`` cannot fit whatever its tokens (see the module NOTE); cheap, so
+        it runs on the loop before the text is tokenized off it."""
+        limit = self.limits.max_prompt_tokens or self.max_model_len()
+        at_least = len(text) // self._longest_piece
+        if at_least > limit:
+            raise invalid_request(
+                f"the prompt's {len(text)} characters are at least {at_least} tokens, over the"
+                f" limit of {limit}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
 
     def check_model(self, requested: str | None) -> None:
         """404 unless ``requested`` names the served model (empty means the served one)."""

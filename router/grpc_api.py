@@ -110,7 +110,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         if not bearer_ok(metadata.get("authorization"), self.api_key):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
         try:
-            spec, prompt_text = self._prepare(request)
+            spec, prompt_text = await self._prepare(request)
         except RouterError as exc:
             self.core.metrics.rejected("grpc", exc.kind)
             await context.abort(_code(exc), exc.message)
@@ -136,13 +136,18 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                     usage=_usage(usage),
                 )
 
-    def _prepare(self, request: pb.GenerateRequest) -> tuple[GenerateSpec, str]:
-        """The spec and the prompt's text; raises RouterError on bad input."""
+    async def _prepare(self, request: pb.GenerateRequest) -> tuple[GenerateSpec, str]:
+        """The spec and the prompt's text; raises RouterError on bad input. Tokenizing runs
+        off the event loop (``RouterCore.offload``)."""
         self.core.check_model(request.model)
         prompts = self.core.prompts
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            prompt_ids, text = prompts.encode_text(request.text), request.text
+            self.core.check_text(request.text)
+            prompt_ids, text = (
+                await self.core.offload(prompts.encode_text, request.text),
+                request.text,
+            )
         elif kind == "token_ids":
             prompt_ids = list(request.token_ids.ids)
             text = prompts.decode(prompt_ids) if request.echo else ""

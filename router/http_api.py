@@ -87,12 +87,14 @@ def create_app(core: RouterCore, registry: Registry, guard: HttpGuard) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await read_body(request, guard), CompletionRequest, core.limits)
+        raw = await read_body(request, guard)
+        body = await core.offload(parse_body, raw, CompletionRequest, core.limits)
         return await _serve_completion(core, request, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(await read_body(request, guard), ChatCompletionRequest, core.limits)
+        raw = await read_body(request, guard)
+        body = await core.offload(parse_body, raw, ChatCompletionRequest, core.limits)
         return await _serve_chat(core, request, body)
 
     def model_card() -> dict[str, Any]:
@@ -115,9 +117,9 @@ def create_app(core: RouterCore, registry: Registry, guard: HttpGuard) -> FastAP
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = parse_model(await read_body(request, guard), TokenizeRequest)
+        body = await core.offload(parse_model, await read_body(request, guard), TokenizeRequest)
         core.check_model(body.model)
-        ids = _tokenize(core, body)
+        ids = await core.offload(_tokenize, core, body)
         strs = [core.prompts.tokenizer.convert_ids_to_tokens(i) for i in ids]
         return {
             "count": len(ids),
@@ -210,7 +212,12 @@ async def _serve_completion(
 ) -> Response:
     core.check_model(body.model)
     prompts = body.prompts()
-    prompt_ids = [core.prompts.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
+    for text in prompts:  # tokenized off the loop below; refused here when it cannot fit
+        if isinstance(text, str):
+            core.check_text(text)
+    prompt_ids = await core.offload(
+        lambda: [core.prompts.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
+    )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     specs = [_prepare(core, body, ids, request_id) for ids in prompt_ids]
     echo = None
@@ -237,11 +244,13 @@ async def _serve_completion(
 async def _serve_chat(core: RouterCore, request: Request, body: ChatCompletionRequest) -> Response:
     core.check_model(body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    rendered = core.prompts.render_chat(
-        messages, body.add_generation_prompt, body.chat_template_kwargs
+    core.check_text("".join(m["content"] for m in messages))
+    rendered = await core.offload(
+        core.prompts.render_chat, messages, body.add_generation_prompt, body.chat_template_kwargs
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    spec = _prepare(core, body, core.prompts.encode_chat(rendered), request_id)
+    prompt_ids = await core.offload(core.prompts.encode_chat, rendered)
+    spec = _prepare(core, body, prompt_ids, request_id)
     formatter = ChatFormatter(
         request_id,
         core.served.name,
