@@ -25,7 +25,8 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            self.json = _json.dumps(self.json, separators=(",", ":"), sort_keys=True)
+            # keys in the order written: a schema's property order is the output's order
+            self.json = _json.dumps(self.json, separators=(",", ":"))
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:

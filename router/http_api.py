@@ -223,7 +223,10 @@ async def _serve_completion(
     echo = None
     if body.echo:
         echo = [
-            EchoPrompt(p if isinstance(p, str) else core.prompts.decode(ids), ids)
+            EchoPrompt(  # a token-id prompt echoed whole: its special tokens too (vLLM)
+                p if isinstance(p, str) else core.prompts.decode(ids, skip_special_tokens=False),
+                ids,
+            )
             for p, ids in zip(prompts, prompt_ids)
         ]
     formatter = CompletionFormatter(

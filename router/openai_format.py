@@ -183,8 +183,10 @@ class CompletionFormatter(_Formatter):
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
         }
-        if self.prompt_logprobs and first:
-            body["prompt_logprobs"] = self.prompt_logprobs_body(out.prompt_logprobs)
+        if first:  # vLLM sends null when not asked: clients read the key
+            body["prompt_logprobs"] = (
+                self.prompt_logprobs_body(out.prompt_logprobs) if self.prompt_logprobs else None
+            )
         return body
 
     def _logprobs(
@@ -248,8 +250,10 @@ class ChatFormatter(_Formatter):
 
     def response(self, choices: list[ChoiceResult], usage: Usage) -> dict[str, Any]:
         body = super().response(choices, usage)
-        if self.prompt_logprobs:  # vLLM puts the chat's at the top level
-            body["prompt_logprobs"] = self.prompt_logprobs_body(choices[0].prompt_logprobs)
+        # vLLM puts the chat's at the top level, null when not asked
+        body["prompt_logprobs"] = (
+            self.prompt_logprobs_body(choices[0].prompt_logprobs) if self.prompt_logprobs else None
+        )
         return body
 
     def final_choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
@@ -263,7 +267,11 @@ class ChatFormatter(_Formatter):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.prompts.token_text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {
+            "token": token,
+            "logprob": logprob,
+            "bytes": list(self.prompts.token_bytes(token_id)),
+        }
 
     def _logprobs(self, items: list[TokenLogprobs]) -> dict[str, Any]:
         return {

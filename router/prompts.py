@@ -7,8 +7,10 @@ tokenized without adding special tokens again (the template already holds them).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +40,18 @@ def keep_torch_out() -> bool:
     # transformers then says once that models are unavailable: expected here, not advice
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     return True
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: each byte is one printable character (the printable
+    Latin-1 bytes themselves, the others shifted past 255); character → byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class PromptProcessor:
@@ -132,12 +146,25 @@ class PromptProcessor:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
-        """One token's surface text, for logprobs ("bytes:\\xNN" when not valid UTF-8 alone)."""
+        """One token's surface text, for logprobs: ``bytes:\\xNN…`` (its raw bytes, as vLLM
+        writes them) when it is not valid UTF-8 alone (a part of a multi-byte character)."""
         text = str(self.tokenizer.decode([token_id], skip_special_tokens=False))
         if "\ufffd" in text:
-            token = self.tokenizer.convert_ids_to_tokens(token_id)
-            return f"bytes:{token}"
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id))
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for: a byte-level BPE token's characters mapped back
+        to bytes (GPT-2's table: Llama 3, Qwen), a byte-fallback piece ``<0xNN>``
+        (SentencePiece: Llama 2, Mistral) as that byte, else its text in UTF-8."""
+        token = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        piece = _BYTE_PIECE.fullmatch(token)
+        if piece is not None:
+            return bytes([int(piece[1], 16)])
+        byte_of = _byte_of_char()
+        if all(char in byte_of for char in token):
+            return bytes(byte_of[char] for char in token)
+        return token.replace("\u2581", " ").encode()
 
 
 def _read_json(path: Path) -> dict[str, Any]:

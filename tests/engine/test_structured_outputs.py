@@ -163,3 +163,17 @@ def test_overlapped_loop_gives_serial_tokens():
     a = serial.generate([PROMPT] * 6, params, use_tqdm=False)
     b = overlapped.generate([PROMPT] * 6, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_schema_properties_keep_their_order() -> None:
+    """A schema that puts a reasoning field before the answer keeps it first (it was
+    alphabetised before compiling: {"name", "age"} came out as {"age", "name"})."""
+    from common.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    spec = StructuredOutputsParams(json=schema)
+    assert list(json.loads(spec.json)["properties"]) == ["name", "age"]

@@ -155,7 +155,8 @@ def test_echo_logprobs_and_max_tokens_zero_score_the_prompt() -> None:
         for choice, ids in zip(r.json()["choices"], prompts):
             lp = choice["logprobs"]
             assert choice["finish_reason"] == "length"
-            assert choice["text"] == h.router.core.prompts.decode(ids)
+            # echoed whole, special tokens too (vLLM)
+            assert choice["text"] == h.router.core.prompts.decode(ids, skip_special_tokens=False)
             assert lp["token_logprobs"] == [None, *[fake_prompt_logprob(t) for t in ids[1:]]]
             assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) == 2
             assert len(lp["tokens"]) == len(ids)
@@ -274,5 +275,50 @@ def test_unsupported_parameters_are_refused_by_name() -> None:
             r = await h.http.post(path, json={**base[path], "max_tokens": 1, **extra})
             assert r.status_code == 200, (extra, r.text)
         assert "use_beam_search" in UNSUPPORTED
+
+    run(test)
+
+
+def test_prompt_logprobs_is_null_when_not_asked() -> None:
+    """vLLM sends ``prompt_logprobs: null``; clients (and vLLM's own tests) read the key."""
+
+    async def test(h: Harness) -> None:
+        api = client(h)
+        result = await api.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert result.choices[0].prompt_logprobs is None  # type: ignore[attr-defined]
+        chat = await api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
+        assert chat.prompt_logprobs is None  # type: ignore[attr-defined]
+
+    run(test)
+
+
+def test_echo_of_token_ids_keeps_special_tokens() -> None:
+    async def test(h: Harness) -> None:
+        prompt = [1, 400, 401]  # 1 is <s>
+        result = await client(h).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, echo=True, seed=3
+        )
+        echoed = h.router.core.prompts.tokenizer.decode(prompt, skip_special_tokens=False)
+        assert result.choices[0].text.startswith(echoed) and echoed.startswith("<s>")
+
+    run(test)
+
+
+def test_partial_utf8_tokens_carry_their_raw_bytes() -> None:
+    """A token that is part of a multi-byte character: its label is ``bytes:\\xNN`` of the
+    token's bytes (vLLM's form), and chat's ``bytes`` are those bytes, not the label's."""
+
+    async def test(h: Harness) -> None:
+        prompts = h.router.core.prompts
+        ids = prompts.tokenizer.encode("✓", add_special_tokens=False)
+        whole = b"".join(prompts.token_bytes(i) for i in ids)
+        assert whole == "✓".encode()
+        partial = [i for i in ids if "\ufffd" in prompts.tokenizer.decode([i])]
+        assert partial, "the tiny tokenizer splits ✓ into byte tokens"
+        label = prompts.token_text(partial[0])
+        raw = prompts.token_bytes(partial[0])
+        assert label == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     run(test)
