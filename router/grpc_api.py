@@ -22,8 +22,9 @@ has no n).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from typing import Any, NamedTuple
 
 import grpc
 from pdserve_proto import pdserve_pb2 as pb
@@ -189,6 +190,77 @@ def _usage(usage: Usage) -> pb.Usage:
         completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_tokens,
     )
+
+
+# -- the wire: requests that do not decode are INVALID_ARGUMENT (grpc's own answer: UNKNOWN) --
+
+SERVICE = "pdserve.v1.RouterService"
+
+
+class _Undecodable(NamedTuple):
+    """What a request that is not a valid protobuf of its type becomes."""
+
+    type_name: str
+    error: str
+
+
+def _lenient(message: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except Exception as exc:  # protobuf's DecodeError (or upb's own)
+            return _Undecodable(message.DESCRIPTOR.name, str(exc) or type(exc).__name__)
+
+    return parse
+
+
+async def _refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+    message = f"the request is not a valid {request.type_name}: {request.error}"
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _unary(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await _refuse(request, context)
+        return await method(request, context)
+
+    return call
+
+
+def _stream(method: Callable[[Any, Any], AsyncGenerator[Any, None]]):  # type: ignore[no-untyped-def]
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
+        if isinstance(request, _Undecodable):
+            await _refuse(request, context)
+        async with aclosing(method(request, context)) as items:
+            async for item in items:
+                yield item
+
+    return call
+
+
+def add_router_service(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """Serve ``servicer`` as RouterService (the generated registration, with requests that
+    do not decode refused as INVALID_ARGUMENT instead of grpc's UNKNOWN)."""
+    unary = {
+        "Register": (pb.RegisterRequest, pb.RegisterResponse),
+        "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatResponse),
+        "Deregister": (pb.DeregisterRequest, pb.DeregisterResponse),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _unary(getattr(servicer, name)),
+            request_deserializer=_lenient(request),
+            response_serializer=response.SerializeToString,
+        )
+        for name, (request, response) in unary.items()
+    }
+    handlers["Generate"] = grpc.unary_stream_rpc_method_handler(
+        _stream(servicer.Generate),
+        request_deserializer=_lenient(pb.GenerateRequest),
+        response_serializer=pb.GenerateResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 def _code(exc: RouterError) -> grpc.StatusCode:

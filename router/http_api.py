@@ -184,7 +184,9 @@ def readiness(registry: Registry, flow: FlowConfig) -> dict[str, Any]:
 async def read_body(request: Request, guard: HttpGuard) -> bytes:
     """The whole body, refusing (413) past ``guard.max_body_bytes`` even without a length
     (the rest is drained first, so the client reads the 413), and JSON nested deeper than
-    ``guard.max_json_depth`` (400, before any parser recurses into it)."""
+    ``guard.max_json_depth`` (400, before any parser recurses into it). A body declared as
+    anything but JSON (``text/plain``, a form) is refused (415); an undeclared one is read."""
+    _check_json_type(request.headers.get("content-type"))
     chunks: list[bytes] = []
     size, more = 0, True
     while more:  # ASGI messages, not request.stream(): draining needs to know if more comes
@@ -202,6 +204,19 @@ async def read_body(request: Request, guard: HttpGuard) -> bytes:
     if json_too_deep(body, guard.max_json_depth):
         raise invalid_request(f"the JSON body nests deeper than {guard.max_json_depth} levels")
     return body
+
+
+def _check_json_type(content_type: str | None) -> None:
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        error = invalid_request(
+            f"the request body must be JSON (Content-Type: application/json), not {media!r}",
+            code="unsupported_media_type",
+        )
+        error.status = 415
+        raise error
 
 
 # ----------------------------------------------------------------------------- endpoints

@@ -350,6 +350,8 @@ def _json_object(raw: bytes) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise invalid_request(f"malformed JSON body: {exc.msg} at char {exc.pos}") from None
+    except ValueError as exc:  # an integer of more than 4300 digits (int_max_str_digits)
+        raise invalid_request(f"malformed JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise invalid_request("the request body must be a JSON object")
     return data

@@ -26,7 +26,6 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
 from bench.slo import LiveSLOStats
 from common.models.names import resolve_model_path
@@ -36,7 +35,7 @@ from router.balancer import DECODE_POLICIES, PREFILL_POLICIES
 from router.config import RouterConfig, add_arguments
 from router.core import RouterCore, ServedModel
 from router.flow import FlowConfig, RequestFlow
-from router.grpc_api import RouterServicer
+from router.grpc_api import RouterServicer, add_router_service
 from router.http_api import create_app
 from router.limits import Limits
 from router.maintenance import poll_static, run_maintenance
@@ -179,7 +178,7 @@ async def start_grpc(router: Router) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC server (RouterService + health); returns it and its port."""
     config = router.config
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_RouterServiceServicer_to_server(router.servicer, server)
+    add_router_service(router.servicer, server)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -139,6 +139,59 @@ def _http_cases() -> list[tuple[str, str, bytes, int, str | None]]:
             400,
             "top_logprobs",
         ),
+        # issue 26: over-long integers, huge prompt_logprobs, oversized prompts
+        *[
+            (f"{path} {field} of 5000 digits", path, _json_with(base, field, "9" * 5000), 400, None)
+            for path, base in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT))
+            for field in ("max_tokens", "seed", "prompt_logprobs")
+        ],
+        (
+            "prompt id of 5000 digits",
+            "/v1/completions",
+            _json_with(GOOD, "prompt", f"[1, {'9' * 5000}]"),
+            400,
+            None,
+        ),
+        *[
+            (
+                f"{path} prompt_logprobs=1000000",
+                path,
+                _json_with(base, "prompt_logprobs", "1000000"),
+                400,
+                "prompt_logprobs",
+            )
+            for path, base in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT))
+        ],
+        (
+            "echo logprobs=1000000",
+            "/v1/completions",
+            json.dumps({**GOOD, "echo": True, "logprobs": 1000000}).encode(),
+            400,
+            "logprobs",
+        ),
+        (
+            "prompt text over context",
+            "/v1/completions",
+            json.dumps({**GOOD, "prompt": "a b " * 15_000}).encode(),
+            400,
+            "prompt",
+        ),
+        (
+            "chat over context",
+            "/v1/chat/completions",
+            json.dumps(
+                {**CHAT, "messages": [{"role": "user", "content": "a b " * 15_000}]}
+            ).encode(),
+            400,
+            "prompt",
+        ),
+        (
+            "prompt ids over context",
+            "/v1/completions",
+            json.dumps({**GOOD, "prompt": [5] * 5000}).encode(),
+            400,
+            "prompt",
+        ),
     ]
     return cases
 
@@ -228,7 +281,62 @@ GRPC_CASES: list[tuple[str, pb.GenerateRequest]] = [
     ("empty token ids", _generate(token_ids=[])),
     ("stop id out of vocabulary", _generate(stop_token_ids=[2**31 - 1])),
     ("no prompt", pb.GenerateRequest()),
+    # issue 26: the poison request, and oversized prompts
+    ("prompt_logprobs=1000000", _generate(prompt_logprobs=1_000_000)),
+    ("prompt_logprobs over cap", _generate(prompt_logprobs=2**31 - 1)),
+    ("text over context", pb.GenerateRequest(text="a b " * 15_000)),
 ]
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_json_declared_as_something_else_is_refused(content_type: str) -> None:
+    async def go() -> None:
+        async with running_router() as h:
+            body = json.dumps(GOOD).encode()
+            response = await h.http.post(
+                "/v1/completions", content=body, headers={"content-type": content_type}
+            )
+            _check_error(response, 415, None)
+            await _still_healthy(h)
+            for declared in ("application/json; charset=utf-8", "application/vnd.x+json"):
+                ok = await h.http.post(
+                    "/v1/completions", content=body, headers={"content-type": declared}
+                )
+                assert ok.status_code == 200, (declared, ok.text)
+
+    asyncio.run(go())
+
+
+RAW_GRPC = [  # bytes that are no valid protobuf of any type (a truncated field, a bad tag)
+    b"\x0a\xff\xff\xff\xff\x0f",
+    b"\xff" * 16,
+    b"\x12\x05ab",
+]
+
+
+def test_undecodable_protobuf_is_invalid_argument() -> None:
+    async def go() -> None:
+        async with (
+            running_router(grpc_server=True) as h,
+            grpc.aio.insecure_channel(f"127.0.0.1:{h.grpc_port}") as channel,
+        ):
+            for method, kind in (
+                ("Generate", channel.unary_stream),
+                ("Register", channel.unary_unary),
+                ("Heartbeat", channel.unary_unary),
+            ):
+                call = kind(f"/pdserve.v1.RouterService/{method}")
+                for raw in RAW_GRPC:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        reply = call(raw, timeout=30)
+                        _ = [i async for i in reply] if method == "Generate" else await reply
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)
+                    assert "is not a valid" in (info.value.details() or "")
+            stub = pb_grpc.RouterServiceStub(channel)
+            items = [item async for item in stub.Generate(_generate(), timeout=30)]
+            assert items[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+    asyncio.run(go())
 
 
 def test_malformed_grpc_generate() -> None:
