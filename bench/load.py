@@ -331,9 +331,10 @@ def _resolve_aliases(args: argparse.Namespace) -> None:
 
 
 def _quiet_http_logs() -> None:
-    """No INFO line per request from httpx/httpcore (they would break the progress bar)."""
+    """No INFO line per request from httpx/httpcore (they would break the progress bar), nor
+    matplotlib's while it draws the report."""
     level = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
-    for name in ("httpx", "httpcore"):
+    for name in ("httpx", "httpcore", "matplotlib"):
         logging.getLogger(name).setLevel(level)
 
 

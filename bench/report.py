@@ -14,14 +14,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
 from bench.server_stats import SpecDecodeStats
 from bench.slo import METRICS, RequestRecord, SLOConfig, SLOReport
+
+if TYPE_CHECKING:  # matplotlib loads only to draw: `pdserve bench --help` stays light
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 SCHEMA = "pdserve.bench_report/v1"
 _LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E latency"}
@@ -342,6 +344,12 @@ def _samples_ms(records: Sequence[RequestRecord], metric: str) -> np.ndarray:
     return np.array([v for v in values if v is not None], dtype=np.float64) * 1e3
 
 
+def _figure(**kwargs: Any) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
+
+
 def _slo_line(ax: Axes, bound: float | None, vertical: bool) -> None:
     if bound is not None:
         draw = ax.axvline if vertical else ax.axhline
@@ -350,7 +358,7 @@ def _slo_line(ax: Axes, bound: float | None, vertical: bool) -> None:
 
 def plot_latency_cdfs(runs: Sequence[BenchRun], slo: SLOConfig, path: Path) -> None:
     """2x2 empirical CDFs of TTFT, TPOT, ITL and E2E, one curve per run, SLO bounds dashed."""
-    fig = Figure(figsize=(12, 8), layout="constrained")
+    fig = _figure(figsize=(12, 8), layout="constrained")
     colors = _colors(len(runs))
     for ax, metric in zip(fig.subplots(2, 2).flat, METRICS, strict=True):
         positive = False
@@ -398,7 +406,7 @@ def plot_sweep_latency(runs: Sequence[BenchRun], slo: SLOConfig, target: float, 
     runs = sorted((r for r in runs if math.isfinite(r.rate)), key=lambda r: r.rate)
     rates = [r.rate for r in runs]
     limit = sweep_limit(runs, target)
-    fig = Figure(figsize=(12, 8), layout="constrained")
+    fig = _figure(figsize=(12, 8), layout="constrained")
     for ax, metric in zip(fig.subplots(2, 2).flat, METRICS, strict=True):
         for attr, style in (("median_ms", "-o"), ("p90_ms", "--s"), ("p99_ms", ":^")):
             ys = [_stat(r.report, metric, attr) for r in runs]
@@ -421,7 +429,7 @@ def plot_sweep_goodput(runs: Sequence[BenchRun], target: float, path: Path) -> N
     """Throughput and goodput (left axis) and SLO attainment (right axis) against offered rate."""
     runs = sorted((r for r in runs if math.isfinite(r.rate)), key=lambda r: r.rate)
     rates = np.array([r.rate for r in runs])
-    fig = Figure(figsize=(9, 6), layout="constrained")
+    fig = _figure(figsize=(9, 6), layout="constrained")
     ax = fig.subplots()
     ax.plot(rates, rates, color="grey", linewidth=0.8, linestyle="--", label="offered load")
     throughput = [r.report.request_throughput for r in runs]

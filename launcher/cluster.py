@@ -100,6 +100,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per readiness poll
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # the demo's plots: no chatter
     try:
         config = ClusterConfig.from_args(args)
     except ValueError as exc:
@@ -454,7 +455,7 @@ class Cluster:
         )
 
     def _curl(self) -> str:
-        auth = ' -H "Authorization: Bearer $API_KEY"' if self.config.api_key else ""
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if self.config.api_key else ""
         body = json.dumps({"model": self.config.served_name, "prompt": "Hello", "max_tokens": 16})
         url = f"{self.http_url}/v1/completions"
         return f"curl {url} -H 'Content-Type: application/json'{auth} -d '{body}'"
