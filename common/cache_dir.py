@@ -1,4 +1,5 @@
-"""The pdserve cache directory: built-in models, dummy shapes, the compiled CPU kernel.
+"""The pdserve cache directory: built-in models, dummy shapes, the compiled CPU kernel, and
+Triton's compiled GPU kernels (``triton/``, see :func:`use_triton_cache_dir`).
 
 Root: ``$PDSERVE_CACHE_DIR``, else ``~/.cache/pdserve``. Everything in it is built once per
 machine and shared by every process, several of which may start at once on a cold cache, so
@@ -16,12 +17,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 CACHE_ENV = "PDSERVE_CACHE_DIR"
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
 
 
 def default_cache_root() -> Path:
     """The pdserve cache root: `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
+
+
+def use_triton_cache_dir() -> Path:
+    """Where Triton keeps compiled kernels: ``$TRITON_CACHE_DIR`` when set, else set to
+    ``<root>/triton``. Returns it. Call before Triton first compiles (it reads the variable at
+    every compile): a restarted engine, or a container whose root is a volume, then loads its
+    kernels in milliseconds instead of compiling them again (Triton keys each entry by source,
+    options, target and version, and writes it atomically, so processes may share it)."""
+    return Path(os.environ.setdefault(TRITON_CACHE_ENV, str(default_cache_root() / "triton")))
 
 
 def build_once(

@@ -213,6 +213,8 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_layers = list(self.kv_cache.unbind(0))  # per-layer views, made once
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
         if self.graphs is not None:
             self.graphs.capture_all(self.kv_layers)
         self.connector: KVConnectorWorker | None = None
@@ -224,6 +226,20 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release on one device (``ParallelModelRunner`` stops its workers)."""
+
+    def _warm_up_kernels(self) -> None:
+        """Compile every Triton variant this runner can launch now, not in the steps that first
+        meet them (``kernels/warmup.py``), into the persistent Triton cache (a restart loads
+        them): this rank's heads and MLP share, the step limits, the real cache."""
+        from common.cache_dir import use_triton_cache_dir
+        from kernels.warmup import ModelShape, warm_up
+
+        use_triton_cache_dir()
+        a, share = self.model.args, self.tp.size if self.tp is not None else 1
+        heads, kv_heads = a.num_heads // share, self.model.num_local_kv_heads
+        inter = a.intermediate_size // share
+        shape = ModelShape(heads, kv_heads, a.head_dim, a.hidden_size, inter, a.qk_norm)
+        warm_up(shape, self.inputs.limits, self.kv_cache)
 
     def set_connector(self, connector: KVConnectorWorker) -> None:
         self.connector = connector

@@ -38,7 +38,7 @@ COPY_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint
 _MAX_TILE = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["block_ids_ptr"])  # ids may be a slice of a list
 def _block_copy_kernel(
     cache_ptr,
     packed_ptr,

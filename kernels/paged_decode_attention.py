@@ -39,11 +39,18 @@ from kernels._common import (
     tile_dot,
 )
 
+DEFAULT_PARTITION_SIZE = 512  # tokens per split-K partition
 _MAX_BLOCK_N = 64  # keys per inner tile
 _MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows; small GQA groups are padded up to it
 
 
-@triton.jit
+# The block-table row stride and the partition count change from step to step (an eager step's
+# widest table): specialised on (== 1, % 16) they would compile new variants mid-serving, for no
+# gain. The int32 metadata sit at fixed offsets of the step's input buffers, aligned or not.
+@triton.jit(
+    do_not_specialize=["stride_bt_s", "num_partitions"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"],
+)
 def _paged_decode_attention_kernel(
     q_ptr,
     cache_ptr,
@@ -125,7 +132,7 @@ def _paged_decode_attention_kernel(
         tl.store(acc_ptrs, acc, mask=row_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _paged_decode_reduce_kernel(
     out_ptr,
     max_logits_ptr,
@@ -181,7 +188,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    partition_size: int = 512,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
     *,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
@@ -217,7 +224,7 @@ def paged_decode_attention(
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if num_seqs == 0 or num_heads == 0:
         return out
-    num_partitions = max(triton.cdiv(max_seq_len, partition_size), 1)
+    num_partitions = num_partitions_for(max_seq_len, partition_size)
     scratch = _scratch(num_seqs, num_heads, num_partitions, head_dim, q.device)
     _launch_partitions(
         q, kv_cache_layer, block_tables, seq_lens, scale, partition_size, out, scratch
@@ -225,6 +232,12 @@ def paged_decode_attention(
     if num_partitions > 1:
         _launch_reduce(out, scratch, seq_lens, partition_size)
     return out
+
+
+def num_partitions_for(max_seq_len: int, partition_size: int = DEFAULT_PARTITION_SIZE) -> int:
+    """Split-K partitions of a launch: 1 runs the single-partition variant, more run pass 2
+    too, whose variant is the count rounded up to a power of two (``PARTITIONS_POW2``)."""
+    return max(triton.cdiv(max_seq_len, partition_size), 1)
 
 
 class _Scratch(NamedTuple):
@@ -329,7 +342,7 @@ def ref_paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    partition_size: int = 512,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
 ) -> torch.Tensor:
     """Plain-PyTorch :func:`paged_decode_attention` (``partition_size`` is ignored).
 

@@ -46,7 +46,12 @@ _BLOCK_N = 64
 _MAX_GRID_Y = 65535
 
 
-@triton.jit
+# The block-table row stride is the step's widest table: not specialised (a new variant per
+# width class mid-serving, for no gain), nor is the alignment of the int32 metadata.
+@triton.jit(
+    do_not_specialize=["stride_bt_s"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"],
+)
 def _paged_prefill_attention_kernel(
     q_ptr,
     cache_ptr,
@@ -182,7 +187,7 @@ def paged_prefill_attention(
     if num_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
         return out
     _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
-    block_m = min(max(next_power_of_two(max_query_len), _MIN_BLOCK_M), _MAX_BLOCK_M)
+    block_m = block_m_for(max_query_len)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _paged_prefill_attention_kernel[grid](
         q,
@@ -210,6 +215,12 @@ def paged_prefill_attention(
         UPCAST=interpreted(_paged_prefill_attention_kernel),
     )
     return out
+
+
+def block_m_for(max_query_len: int) -> int:
+    """Queries per program: the step's longest query rounded up to a power of two in [16, 64],
+    so every step runs one of three variants."""
+    return min(max(next_power_of_two(max_query_len), _MIN_BLOCK_M), _MAX_BLOCK_M)
 
 
 def ref_paged_prefill_attention(

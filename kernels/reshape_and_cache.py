@@ -31,7 +31,7 @@ from kernels._common import (
 _MAX_TILE = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # a view of the step's buffers
 def _reshape_and_cache_kernel(
     key_ptr,
     value_ptr,

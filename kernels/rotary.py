@@ -56,7 +56,9 @@ def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
     return out1.to(dtype), out2.to(dtype)
 
 
-@triton.jit
+# positions and slot_mapping are views into the step's input buffers, at offsets that need not
+# be 16-byte aligned: not specialised on alignment, so every step runs the warmed variant.
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"])
 def _rotary_embedding_and_cache_kernel(
     qkv_ptr,
     positions_ptr,
