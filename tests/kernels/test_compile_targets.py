@@ -1,0 +1,113 @@
+"""Every Triton kernel of ``kernels/`` compiles for real GPUs (sm_80, sm_90), without a GPU.
+
+A child process (``cross_compile_child``: Triton imported with ``TRITON_INTERPRET`` unset)
+drives the launchers through :func:`kernels.warmup.warm_up`, which launches each one as the
+engine does (the model's fused ops, the attention backend's eager and graph-width block tables,
+the connector's block copies), for Llama-3.2-1B, Llama-3-8B and Qwen3-8B head sizes in bf16 and
+fp16, through a stand-in driver that compiles every launch to a cubin and runs none. A variant
+that stops compiling (Triton or ptxas) fails the test with the compiler's message, and so does
+a variant set that differs from the one below: a specialisation split in two would compile
+again mid-serving, a missing one would compile there for the first time.
+
+The fast cases cover each target, each dtype, both head dims and the q/k norm; the slow ones
+the rest of the matrix (about 15 s each on a cold cache).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import triton
+
+from kernels.cross_compile import REFERENCE_SHAPES
+from tests.kernels.cross_compile_child import run_child
+
+# (model, dtype, sm, max_model_len)
+FAST = [
+    ("Llama-3.2-1B", "bfloat16", 90, 2048),
+    ("Qwen3-8B", "float16", 90, 8192),
+    ("Llama-3-8B", "bfloat16", 80, 8192),
+]
+SLOW = [
+    ("Llama-3.2-1B", "bfloat16", 80, 131072),
+    ("Llama-3.2-1B", "float16", 80, 2048),
+    ("Llama-3.2-1B", "float16", 90, 131072),
+    ("Llama-3-8B", "bfloat16", 90, 8192),
+    ("Llama-3-8B", "float16", 80, 8192),
+    ("Llama-3-8B", "float16", 90, 8192),
+    ("Qwen3-8B", "bfloat16", 80, 40960),
+    ("Qwen3-8B", "bfloat16", 90, 40960),
+    ("Qwen3-8B", "float16", 80, 8192),
+]
+# The constexprs that tell a kernel's variants apart within one engine (shape and dtype fixed).
+BUCKETS = {
+    "_rms_norm_kernel": ("HIDDEN", "HAS_RESIDUAL"),
+    "_paged_prefill_attention_kernel": ("BLOCK_M",),
+    "_paged_decode_attention_kernel": ("SINGLE_PARTITION",),
+    "_paged_decode_reduce_kernel": ("PARTITIONS_POW2",),
+    "_block_copy_kernel": ("TO_CACHE",),
+}
+
+
+def expected_variants(model: str, max_model_len: int) -> Counter[tuple[Any, ...]]:
+    """What an engine of ``model`` launches, block 16, 8192 tokens per step (+ reshape_and_cache)."""
+    shape = REFERENCE_SHAPES[model]
+    partitions = triton.next_power_of_2(triton.cdiv(max_model_len, 512))
+    rms = [(shape.hidden_size, False), (shape.hidden_size, True)]
+    rms += [(shape.head_dim, False)] if shape.qk_norm else []
+    variants = [("_rms_norm_kernel", *key) for key in rms]
+    variants += [(name,) for name in ("_rotary_embedding_and_cache_kernel", "_silu_and_mul_kernel")]
+    variants += [("_paged_prefill_attention_kernel", m) for m in (16, 32, 64)]
+    variants += [("_paged_decode_attention_kernel", single) for single in (True, False)]
+    pow2s = [2**i for i in range(1, partitions.bit_length())]
+    variants += [("_paged_decode_reduce_kernel", p) for p in pow2s]
+    variants += [("_block_copy_kernel", to_cache) for to_cache in (False, True)]
+    variants += [("_reshape_and_cache_kernel",)]
+    return Counter(variants)
+
+
+def compiled_variants(result: dict[str, Any]) -> Counter[tuple[Any, ...]]:
+    keys = []
+    for v in result["variants"]:
+        assert v["arch"] == result["arch"], v
+        assert v["cubin_bytes"] > 0, v
+        keys.append((v["kernel"], *(v["constants"][c] for c in BUCKETS.get(v["kernel"], ()))))
+    return Counter(keys)
+
+
+def _compile(cases: list[tuple[Any, ...]], cache: Path, timeout: float) -> dict[tuple, dict]:
+    payload = [dict(zip(("model", "dtype", "arch", "max_model_len"), c)) for c in cases]
+    answer = run_child("compile", payload, cache, timeout)
+    assert answer["restored"], "compile_only left the fake driver or the patches in place"
+    return {
+        tuple(r[k] for k in ("model", "dtype", "arch", "max_model_len")): r for r in answer["cases"]
+    }
+
+
+@pytest.fixture(scope="module")
+def triton_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("triton-cache")
+
+
+@pytest.fixture(scope="module")
+def fast_results(triton_cache: Path) -> dict[tuple, dict]:
+    return _compile(FAST, triton_cache, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def slow_results(triton_cache: Path) -> dict[tuple, dict]:
+    return _compile(SLOW, triton_cache, timeout=1200)
+
+
+@pytest.mark.parametrize("case", FAST, ids=lambda c: f"{c[0]}-{c[1]}-sm{c[2]}")
+def test_compiles_for_target(case: tuple[Any, ...], fast_results: dict[tuple, dict]) -> None:
+    assert compiled_variants(fast_results[case]) == expected_variants(case[0], case[3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=lambda c: f"{c[0]}-{c[1]}-sm{c[2]}")
+def test_compiles_for_target_matrix(case: tuple[Any, ...], slow_results: dict[tuple, dict]) -> None:
+    assert compiled_variants(slow_results[case]) == expected_variants(case[0], case[3])
