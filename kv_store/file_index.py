@@ -38,18 +38,33 @@ batches:
 
 Requirements: a local filesystem (WAL shares memory between processes; flock must be real), and
 SQLite ≥ 3.35 (RETURNING, UPDATE … FROM), which Python 3.10+ builds ship.
+
+NOTE (one connection per process, and why): SQLite locks the database with POSIX record locks,
+which belong to the process, not to a file descriptor: closing *any* descriptor of the database
+file drops *every* lock the process holds on it, those of its other connections included. An
+engine core opens its store twice (the connector's scheduler and worker halves), so a second
+handle that opened and closed the file (as creating it 0600 did) silently unlocked the first
+one's transactions, and a `pdserve kv-store stats` in another process could then check the WAL
+in and remove it under them: "database disk image is malformed". So `FileIndex.shared` gives
+every store of one directory in a process the same handle (reference counted), the database
+file is only ever created with O_EXCL (never opened and closed while it exists), and a
+database that fails `PRAGMA quick_check` when a process opens it is set aside and rebuilt from
+the entry files (their rows adopted, oldest first): a damaged index costs its LRU order, never
+the cluster.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -77,6 +92,9 @@ _FOLD = (
     " WHERE entries.name = t.name"
 )
 _FOLD_AT = 8192  # pending touches that force a fold even without evictions
+_DB = "index.sqlite3"
+
+logger = logging.getLogger(__name__)
 
 
 class IndexTotals(NamedTuple):
@@ -97,26 +115,72 @@ class FileIndex:
     the entry file of `name`, None if there is none.
     """
 
+    _open: ClassVar[dict[tuple[str, int], FileIndex]] = {}  # (directory, pid) → its handle
+    _open_lock = threading.Lock()
+
+    @classmethod
+    def shared(
+        cls, root: Path, unlink: Callable[[str], bool], file_size: Callable[[str], int | None]
+    ) -> FileIndex:
+        """This process's handle of ``root``'s index, opened at the first call; every call is
+        matched by one ``close``. ``unlink``/``file_size`` must depend on ``root`` only (any
+        store of the directory may run them)."""
+        key = (os.path.realpath(root), os.getpid())
+        with cls._open_lock:
+            index = cls._open.get(key)
+            if index is None or index._lock_fd < 0:
+                index = cls._open[key] = cls(root, unlink, file_size)
+            index._users += 1
+            return index
+
     def __init__(
         self, root: Path, unlink: Callable[[str], bool], file_size: Callable[[str], int | None]
     ) -> None:
+        """Prefer ``FileIndex.shared``: a second handle in one process is safe only while no
+        transaction of the first is in flight (see the NOTE above)."""
         self._root = root
         self._unlink = unlink
         self._file_size = file_size
         self._lock = threading.Lock()
-        self.created = not (root / "index.sqlite3").exists()
+        self._users = 0
         # Create both files 0600 before SQLite opens the db: its -wal/-shm files copy its mode.
-        for name in ("index.lock", "index.sqlite3"):
-            os.close(os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        # Never open and close the db file once it exists: that would drop SQLite's locks.
+        os.close(os.open(root / "index.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
         self._lock_fd = os.open(root / "index.lock", os.O_RDWR | os.O_CLOEXEC)
         self._pid = os.getpid()
-        self._db = sqlite3.connect(
-            root / "index.sqlite3", timeout=30, isolation_level=None, check_same_thread=False
-        )
         with self._flock():
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+            self.created = _create_exclusively(root / _DB)
+            self._db = self._connect_checked()
+
+    def _connect_checked(self) -> sqlite3.Connection:
+        """Open the database (under the flock), rebuilding it when it is damaged."""
+        try:
+            db = self._connect()
+            (verdict,) = db.execute("PRAGMA quick_check").fetchone()
+            if verdict == "ok":
+                return db
+            db.close()
+            reason = str(verdict)
+        except sqlite3.DatabaseError as exc:
+            reason = str(exc)
+        aside = self._root / f"{_DB}.damaged-{time.time_ns()}"
+        logger.error("KV store index %s is damaged (%s): rebuilt from the entry files, the old"
+                     " one kept as %s", self._root / _DB, reason, aside.name)  # fmt: skip
+        os.replace(self._root / _DB, aside)
+        for suffix in ("-wal", "-shm"):
+            (self._root / f"{_DB}{suffix}").unlink(missing_ok=True)
+        _create_exclusively(self._root / _DB)
+        self.created = True  # the store adopts its files (reconcile)
+        return self._connect()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(
+            self._root / _DB, timeout=30, isolation_level=None, check_same_thread=False
+        )
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+        return db
 
     @contextlib.contextmanager
     def _flock(self) -> Iterator[None]:
@@ -286,9 +350,24 @@ class FileIndex:
             return IndexTotals(*(int(v) for v in row.fetchone()))
 
     def close(self) -> None:
-        """Idempotent. In a forked child, only forgets the inherited handles."""
+        """One user less; the last one closes (idempotent past that). In a forked child, only
+        forgets the inherited handles."""
+        with FileIndex._open_lock:
+            self._users -= 1
+            if self._users > 0 and self._pid == os.getpid():
+                return
+            FileIndex._open.pop((os.path.realpath(self._root), self._pid), None)
         with self._lock:
             if self._lock_fd >= 0 and self._pid == os.getpid():
                 self._db.close()
                 os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _create_exclusively(path: Path) -> bool:
+    """Create ``path`` 0600 if it does not exist (True); never opens an existing one."""
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        return False
+    return True

@@ -142,8 +142,11 @@ class FileStore(KVStore):
         self._counters = Counters()
         self._warn = RateLimitedWarning(logger)
         self._pool = BatchPool(default_workers() if workers is None else workers)
-        self._index = FileIndex(
-            self.root, lambda name: _unlink_quietly(self._path(name)), self._file_size
+        root = str(self.root)  # the index's callbacks see the directory only: it is shared
+        self._index = FileIndex.shared(
+            self.root,
+            lambda name: _unlink_quietly(_entry_path(root, name)),
+            lambda name: _size_of(_entry_path(root, name)),
         )
         marker = self.root / FINGERPRINT_FILE
         if not marker.exists():
@@ -165,17 +168,14 @@ class FileStore(KVStore):
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def _path(self, name: str) -> str:
-        return f"{self.root}/{name[:2]}/{name[2:]}"
+        return _entry_path(self.root, name)
 
     def path_of(self, key: str) -> Path:
         """Where the entry of `key` lives (for tests and debugging)."""
         return Path(self._path(self.entry_name(key)))
 
     def _file_size(self, name: str) -> int | None:
-        try:
-            return os.stat(self._path(name)).st_size
-        except OSError:
-            return None
+        return _size_of(self._path(name))
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -399,6 +399,17 @@ class FileStore(KVStore):
             f"FileStore({str(self.root)!r}, capacity_bytes={self.capacity_bytes},"
             f" workers={self.workers})"
         )
+
+
+def _entry_path(root: str | Path, name: str) -> str:
+    return f"{root}/{name[:2]}/{name[2:]}"
+
+
+def _size_of(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
 
 
 def _unlink_quietly(path: str | Path) -> bool:
