@@ -39,7 +39,7 @@ from common.parallel.block_exchange import BlockExchange
 from common.sampler import to_device
 from kernels.block_copy import gather_blocks, scatter_blocks
 from kv_store.base import KVStore
-from kv_store.staging import StagingRing, entry_chunks, layer_major
+from kv_store.staging import RingClosed, StagingRing, entry_chunks, layer_major
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +300,8 @@ class StoreConnectorWorker(KVConnectorWorker):
             else:
                 for spec in specs:
                     self._read_staged(spec)
+        except RingClosed:  # closing: nobody waits for these loads any more
+            return
         except Exception:  # a bug here must cost a recompute, never a request parked forever
             logger.exception("KV reader failed; %d loads fall back to recompute", len(specs))
             for spec in specs:  # every block failed: the scheduler recomputes the prompt
@@ -532,6 +534,17 @@ class StoreConnectorWorker(KVConnectorWorker):
         return failed
 
     def close(self) -> None:
+        """Stop the threads and give the staging memory back; idempotent. Queued saves are
+        written first; loads in flight are dropped (a reader waiting for a slot gives up)."""
+        self.load_ring.close()
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
+        self.save_ring.close()
+        for stream in (self._save_stream, self._load_stream):
+            if stream is not None:  # no copy still reads or writes a slot about to be freed
+                stream.synchronize()
+        self._landing, self._releasing, self._landing_events = [], [], []
+        while not self._fetched.empty():
+            self._fetched.get_nowait()
+        self._kv_cache, self._planes = None, []
         self.store.close()

@@ -29,6 +29,10 @@ import torch
 from common.model_runner import KVCacheSpec
 
 
+class RingClosed(RuntimeError):
+    """``acquire`` on a closed ring (its owner is shutting down)."""
+
+
 class StagingRing:
     """``num_slots`` host buffers of ``slot_bytes`` bytes. Thread-safe."""
 
@@ -36,24 +40,45 @@ class StagingRing:
         if num_slots < 1 or slot_bytes < 1:
             raise ValueError(f"a staging ring needs slots of bytes, got {num_slots} x {slot_bytes}")
         self.num_slots, self.slot_bytes, self.pin = num_slots, slot_bytes, pin
-        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()  # None: closed
         self._lock = threading.Lock()
         self._made = 0
+        self._closed = False
 
     def acquire(self) -> torch.Tensor:
-        """A free slot (uint8, ``slot_bytes``); waits for one when all are in use."""
+        """A free slot (uint8, ``slot_bytes``); waits for one when all are in use. Raises
+        ``RingClosed`` once the ring is closed, a waiter included."""
         try:
-            return self._free.get_nowait()
+            slot = self._free.get_nowait()
         except queue.Empty:
-            pass
-        with self._lock:
-            if self._made < self.num_slots:
-                self._made += 1
-                return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
-        return self._free.get()
+            with self._lock:
+                if self._closed:
+                    raise RingClosed("the staging ring is closed") from None
+                if self._made < self.num_slots:
+                    self._made += 1
+                    return torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            slot = self._free.get()
+        if slot is None:  # closed: pass the wake-up on to the next waiter
+            self._free.put(None)
+            raise RingClosed("the staging ring is closed")
+        return slot
 
     def release(self, slot: torch.Tensor) -> None:
-        self._free.put(slot)
+        with self._lock:
+            if not self._closed:  # after close, a returned slot is just dropped
+                self._free.put(slot)
+
+    def close(self) -> None:
+        """Drop the free slots (their memory goes once no one else holds them) and wake every
+        waiter with ``RingClosed``. Idempotent."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    self._free.get_nowait()
+                except queue.Empty:
+                    break
+            self._free.put(None)
 
     def ensure_slots(self, needed: int) -> bool:
         """Let the ring hold at least ``needed`` slots (the most one step takes at once): a
