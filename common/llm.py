@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,15 +26,45 @@ PromptType = str | list[int]
 
 class LLM:
     """An engine in this process. Keyword arguments are engine arguments (``block_size=``,
-    ``max_num_batched_tokens=``, ``num_blocks=``, ``enable_prefix_caching=``, ``device=`` …)."""
+    ``max_num_batched_tokens=``, ``num_blocks=``, ``enable_prefix_caching=``, ``device=`` …).
+
+    It owns what its engine holds: tensor-parallel worker processes and process groups, the KV
+    connector's threads and staging memory. ``close()``, the end of a ``with LLM(...) as llm:``
+    block, or dropping the last reference (a ``weakref.finalize``, also run at interpreter
+    exit) release them; then another engine, tensor-parallel too, can start in this process."""
 
     def __init__(self, model: str = "tiny-llama", dtype: str = "auto", **engine_args: Any):
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **engine_args)
-        self.engine = EngineCore(self.config, _connector_factory(self.config))
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
-            str(self.engine.model_dir)
-        )
+        self._engine: EngineCore | None = EngineCore(self.config, _connector_factory(self.config))
+        # holds the engine, never self: the LLM stays collectable
+        self._finalizer = weakref.finalize(self, self._engine.close)
+        try:
+            self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+                str(self._engine.model_dir)
+            )
+        except BaseException:
+            self.close()
+            raise
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> EngineCore:
+        """The engine; RuntimeError once the LLM is closed."""
+        if self._engine is None:
+            raise RuntimeError("this LLM is closed: create a new one")
+        return self._engine
+
+    def close(self) -> None:
+        """Release the engine (workers, process groups, connector threads, staging memory).
+        Idempotent; the LLM cannot be used afterwards."""
+        self._finalizer()  # runs the engine's close once, then forgets the engine
+        self._engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
@@ -42,6 +73,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
+        engine = self.engine  # RuntimeError once closed
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         states: list[_RequestState] = []
@@ -50,7 +82,7 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 states.append(self._add(prompt, p, samples))
         except Exception:  # all or nothing (the engine runs only this call's requests)
-            self.engine.abort(self.engine.request_ids())
+            engine.abort(engine.request_ids())
             raise
         self._run(samples, len(states), use_tqdm)
         return [s.output for s in states]
@@ -93,6 +125,7 @@ class LLM:
                         )
                 self.engine.finish_stopped(stopped)
                 self._raise_refused()
+                self._raise_failed()
 
     def _raise_refused(self) -> None:
         """A request the engine refused after accepting it (its grammar does not compile)
@@ -101,6 +134,14 @@ class LLM:
         if refused:
             self.engine.abort(self.engine.request_ids())
             raise ValueError(refused[0][1])
+
+    def _raise_failed(self) -> None:
+        """A request a failed step ended (``EngineCore.take_failed``) fails the whole call: it
+        will never finish, and waiting for it would never end."""
+        failed = self.engine.take_failed()
+        if failed:
+            self.engine.abort(self.engine.request_ids())
+            raise RuntimeError(failed[0][1])
 
     def check_integrity(self) -> None:
         """All blocks consistent; with nothing running, every block is free again."""

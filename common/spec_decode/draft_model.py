@@ -67,6 +67,10 @@ class DraftModelProposer:
         self.engine = EngineCore(draft_config)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Close the draft's engine (idempotent)."""
+        self.engine.close()
+
     def check_vocab(self, vocab_size: int) -> None:
         if self.engine.vocab_size != vocab_size:
             raise ValueError(
