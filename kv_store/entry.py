@@ -188,6 +188,24 @@ def verify(header: Buffer, payload: Payload, fp_digest: bytes, num_tokens: int) 
     )
 
 
+def damaged(header: Buffer, payload: Payload) -> bool:
+    """True iff an entry is broken in itself, not merely another reader's (another
+    fingerprint, token count or size): its header fails its own checksum or is no committed
+    header of this format, or its payload, of the length the header states, fails the payload
+    checksum. Entries are renamed into place whole, so this is damage, never a write in
+    progress. Never raises."""
+    if len(header) != HEADER_SIZE:
+        return True
+    (stored_xxh,) = _HEADER_XXH.unpack_from(header, _BODY.size)
+    if _xxh3_64(memoryview(header)[: _BODY.size]) != stored_xxh:
+        return True
+    magic, version, flags, _, _, plen, xxh, _ = _BODY.unpack_from(header)
+    if magic != MAGIC or version != VERSION or not flags & FLAG_COMMITTED:
+        return True
+    chunks = chunk_views(payload)
+    return plen == payload_size(chunks) and _checksum(chunks) != xxh
+
+
 def parse_and_verify(
     entry: Buffer, fp_digest: bytes, num_tokens: int, payload_len: int | None = None
 ) -> memoryview | None:

@@ -274,15 +274,20 @@ class FileStore(KVStore):
         names = [self.entry_name(key) for key in keys]
         dsts = [entry.chunk_views(o) for o in out]
         nbytes = entry.payload_size(dsts[0]) * len(dsts) if dsts else 0  # a batch's are alike
+        corrupt: list[str] = []
         found = self._pool.map(
-            lambda i: self._read_into(names[i], num_tokens[i], dsts[i]), len(keys), nbytes
+            lambda i: self._read_into(names[i], num_tokens[i], dsts[i], corrupt), len(keys), nbytes
         )
         self._record_reads([name for name, hit in zip(names, found) if hit], len(keys))
+        self._drop_corrupt(corrupt)
         return found
 
-    def _read_into(self, name: str, num_tokens: int, dst: list[memoryview]) -> bool:
+    def _read_into(
+        self, name: str, num_tokens: int, dst: list[memoryview], corrupt: list[str]
+    ) -> bool:
         """Read one entry straight into `dst` (one preadv: header, chunks, a spare byte that must
-        stay unread, i.e. no trailing junk) and verify it; False on any mismatch."""
+        stay unread, i.e. no trailing junk) and verify it; False on any mismatch, and a file
+        that was read but does not verify is listed in `corrupt` (list.append: thread-safe)."""
         header = bytearray(entry.HEADER_SIZE)
         try:
             fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
@@ -298,19 +303,25 @@ class FileStore(KVStore):
             return False
         finally:
             os.close(fd)
-        return got == entry.HEADER_SIZE + entry.payload_size(dst) and entry.verify(
-            header, as_payload(dst), self._fp_digest, num_tokens
-        )
+        if got != entry.HEADER_SIZE + entry.payload_size(dst):
+            return False
+        if entry.verify(header, as_payload(dst), self._fp_digest, num_tokens):
+            return True
+        if entry.damaged(header, as_payload(dst)):
+            corrupt.append(name)
+        return False
 
     def get_many(self, keys: Sequence[str], num_tokens: Sequence[int]) -> list[bytes | None]:
         check_lengths(keys, num_tokens)
         self._index.check_owner()
         names = [self.entry_name(key) for key in keys]
-        payloads = [self._read_whole(name, n) for name, n in zip(names, num_tokens)]
+        corrupt: list[str] = []
+        payloads = [self._read_whole(name, n, corrupt) for name, n in zip(names, num_tokens)]
         self._record_reads([nm for nm, p in zip(names, payloads) if p is not None], len(keys))
+        self._drop_corrupt(corrupt)
         return payloads
 
-    def _read_whole(self, name: str, num_tokens: int) -> bytes | None:
+    def _read_whole(self, name: str, num_tokens: int, corrupt: list[str]) -> bytes | None:
         try:
             with open(self._path(name), "rb") as f:
                 data = f.read()
@@ -320,7 +331,26 @@ class FileStore(KVStore):
             self._read_error(name, exc)
             return None
         payload = entry.parse_and_verify(data, self._fp_digest, num_tokens)
-        return None if payload is None else payload.tobytes()
+        if payload is None:
+            view = memoryview(data)
+            if entry.damaged(view[: entry.HEADER_SIZE], view[entry.HEADER_SIZE :]):
+                corrupt.append(name)
+            return None
+        return payload.tobytes()
+
+    def _drop_corrupt(self, names: list[str]) -> None:
+        """Entries that were read and did not verify are removed (file and row), so the next
+        save writes them again: checked by name only, a damaged entry was missed on every
+        request forever. Entries are renamed into place whole, so a failed check is damage,
+        never a write in progress."""
+        if not names:
+            return
+        self._counters.add(errors=len(names))
+        self._warn.warn("file store: %d damaged entries removed (e.g. %s)", len(names), names[0])
+        try:
+            self._index.forget(names)
+        except sqlite3.Error as exc:
+            self._warn.warn("file store: removing damaged entries failed: %s", exc)
 
     def _read_error(self, name: str, exc: OSError) -> None:
         self._counters.add(errors=1)
