@@ -10,6 +10,8 @@ in the environment or in ``tests/conftest.py`` to be immune). If it came too lat
 tests fail with that explanation instead of an obscure interpreter error.
 With CUDA the variable is left alone: the tests then run the compiled kernels on the GPU
 (``TRITON_INTERPRET=1`` still forces the interpreter on CPU tensors).
+``PDSERVE_TEST_DEVICE=cuda`` (set by ``benchmarks/gpu_check.py``) makes that a requirement: every
+test fails, saying why, when there is no CUDA device or the interpreter is on.
 
 ``tests/__init__.py`` must stay: it makes this package ``tests.kernels``; without it pytest's
 default import mode would name it ``kernels`` and shadow the real ``kernels`` package.
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+CUDA_REQUIRED = os.environ.get("PDSERVE_TEST_DEVICE") == "cuda"
+if not torch.cuda.is_available() and not CUDA_REQUIRED:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
@@ -60,6 +63,15 @@ def _interpreter_in_time() -> None:
             "triton was imported before tests/kernels/conftest.py set TRITON_INTERPRET=1, so "
             "its kernels are in compiled mode and cannot run on CPU: set TRITON_INTERPRET=1 in "
             "the environment or at the top of tests/conftest.py"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _cuda_when_required() -> None:
+    if CUDA_REQUIRED and (INTERPRETING or not torch.cuda.is_available()):
+        pytest.fail(
+            "PDSERVE_TEST_DEVICE=cuda asks for the compiled kernels on a GPU, but "
+            + ("TRITON_INTERPRET=1 is set" if INTERPRETING else "torch sees no CUDA device")
         )
 
 

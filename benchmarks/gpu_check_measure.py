@@ -1,0 +1,349 @@
+"""The measuring sections of ``benchmarks/gpu_check.py`` and what they share.
+
+Each reuses the benchmark that owns its figure (``benchmarks/throughput.py``,
+``benchmarks/kv_connector.py``); the engine-level ones share one dummy-weight ``LLM`` of the run's
+shape (built on first use, released before the KV section, which builds engines of its own).
+Heavy imports (``common``, ``kernels``) happen inside the sections: ``gpu_check`` decides about
+Triton's interpreter before anything imports Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu_check_types import Context, Row
+
+
+def environment(ctx: Context) -> dict[str, Any]:
+    import transformers
+    import triton
+
+    env = {"device": str(ctx.device), "torch": torch.__version__, "triton": triton.__version__}
+    env["transformers"] = transformers.__version__
+    env["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if ctx.device.type == "cuda":
+        from kernels._common import device_peak
+
+        env["device_name"] = torch.cuda.get_device_name(ctx.device)
+        peak = device_peak(ctx.device)
+        env["hbm_peak_TBps"] = peak.hbm_tbps if peak else None
+    else:
+        env["device_name"] = "cpu"
+    return env
+
+
+# -- environment ----------------------------------------------------------------------------------
+def env_section(ctx: Context) -> list[Row]:
+    env = environment(ctx)
+    peak = env.get("hbm_peak_TBps")
+    measured = f"{env['device_name']}, torch {env['torch']}, triton {env['triton']}"
+    if ctx.device.type == "cuda":
+        measured += f", HBM peak {peak} TB/s" if peak else ", HBM peak unknown (not in the table)"
+    return [Row.perf("environment", None, measured, "", **env)]
+
+
+# -- the shared dummy-weight engine ---------------------------------------------------------------
+def shared_llm(ctx: Context):
+    """The run's dummy-weight ``LLM`` (built once). On CUDA it keeps half the memory free: HF
+    transformers runs beside it in the throughput section."""
+    if "llm" not in ctx.shared:
+        from common import LLM
+        from common.models.shapes import write_dummy_shape
+
+        p = ctx.profile
+        model = str(write_dummy_shape(p.shape, p.layers))
+        extra = {"gpu_memory_utilization": 0.5} if ctx.device.type == "cuda" else {}
+        ctx.shared["llm"] = LLM(
+            model=model, load_format="dummy", dtype=p.dtype, device=str(ctx.device), **extra
+        )
+    return ctx.shared["llm"]
+
+
+def close(llm) -> None:
+    """Release an ``LLM``'s workers and threads (``close()`` where it has one)."""
+    closer = getattr(llm, "close", None)
+    if closer is not None:
+        closer()
+
+
+def free_memory() -> None:
+    """Collect what the released engines left (their reference cycles) and hand the cached
+    device memory back, so the next engine's KV budget sees it free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def release_shared(ctx: Context) -> None:
+    llm = ctx.shared.pop("llm", None)
+    if llm is not None:
+        close(llm)
+    del llm
+    free_memory()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def decoding(llm, batch: int, context: int, steps: int) -> Iterator[Any]:
+    """``batch`` requests of ``context`` prompt tokens, prefilled and decoding for at least
+    ``steps`` more steps; yields the engine, aborts them after."""
+    from common import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    ids = [f"check{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, [3 + (i + j) % 97 for j in range(context)], params)
+    started: set[str] = set()
+    while len(started) < batch:  # every prompt prefilled: each yields a first token
+        started.update(out.request_id for out in engine.step())
+    try:
+        yield engine
+    finally:
+        engine.abort(ids)
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Mean wall ms of ``fn`` over ``repeat`` calls after one warm-up, device work included."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
+def kv_section_args(ctx: Context) -> argparse.Namespace:
+    """``benchmarks/kv_connector.py``'s arguments for one store and prompt set of the run."""
+    p = ctx.profile
+    shm = Path("/dev/shm")
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 4 * 2**30
+    return argparse.Namespace(
+        shape=p.kv_shape, dtype=p.dtype, device=str(ctx.device), stores=["file"],
+        prompts=list(p.kv_prompts), repeat=1, max_num_batched_tokens=2048, cpu_threads=None,
+        raw_threads=2, dir=str(shm if roomy else ctx.work_dir),
+    )  # fmt: skip
+
+
+# -- prefill kernel vs torch's flash attention ----------------------------------------------------
+def prefill_vs_sdpa(ctx: Context) -> list[Row]:
+    """Whole-prompt prefill of ``S`` sequences: the paged kernel over a shuffled paged cache
+    against SDPA's flash backend on the same q/k/v laid out contiguously."""
+    from kernels import paged_prefill_attention
+
+    S, L, H, Hkv, D = ctx.profile.prefill
+    dev, dtype, bs = ctx.device, torch.bfloat16 if ctx.device.type == "cuda" else torch.float32, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(S, L, h, D, generator=g).to(dev, dtype) for h in (H, Hkv, Hkv))
+    per_seq = L // bs
+    tables = torch.randperm(S * per_seq, generator=g).view(S, per_seq).to(dev, torch.int32)
+    cache = torch.empty(2, S * per_seq, bs, Hkv, D, device=dev, dtype=dtype)
+    cache[0][tables.long()] = k.view(S, per_seq, bs, Hkv, D)
+    cache[1][tables.long()] = v.view(S, per_seq, bs, Hkv, D)
+    starts = torch.arange(0, S * L + 1, L, device=dev, dtype=torch.int32)
+    lens = torch.full((S,), L, device=dev, dtype=torch.int32)
+    flat_q, scale = q.reshape(S * L, H, D), D**-0.5
+
+    def ours() -> torch.Tensor:
+        return paged_prefill_attention(flat_q, cache, tables, starts, lens, L, scale)
+
+    theirs, backend = flash_sdpa(q, k, v, scale)
+    err = (ours().float() - theirs().transpose(1, 2).reshape(S * L, H, D).float()).abs().max()
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    ms_ours, ms_theirs = bench(ours, dev), bench(theirs, dev)
+    shapes = f"{S}x{L} tokens, {H}/{Hkv} heads x {D}, {str(dtype)[6:]}"
+    rows = [Row.check("prefill kernel == SDPA", err.item() <= tol,
+                      f"max abs error {err.item():.1e} ({shapes})", f"<= {tol:g}")]  # fmt: skip
+    ratio = ms_ours / ms_theirs
+    measured = f"{ms_ours:.2f} ms vs {ms_theirs:.2f} ms {backend}: {ratio:.2f}x"
+    goal_ok = ratio <= 1.5 if dev.type == "cuda" else None  # the interpreter's time means nothing
+    rows.append(Row.perf("prefill kernel / SDPA time", goal_ok, measured, "<= 1.5x (CUDA)",
+                         ours_ms=ms_ours, sdpa_ms=ms_theirs, ratio=ratio))  # fmt: skip
+    return rows
+
+
+def flash_sdpa(q, k, v, scale: float) -> tuple[Callable[[], torch.Tensor], str]:
+    """SDPA over ``(S, L, h, D)`` inputs, causal, grouped-query: ``(S, H, L, D)`` out. Flash
+    when the build has it for these inputs (else SDPA's own choice, named)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def run() -> torch.Tensor:
+        return sdpa(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+
+    def flash() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return run()
+
+    try:
+        flash()
+        return flash, "SDPA flash"
+    except RuntimeError:
+        return run, "SDPA (no flash for these inputs)"
+
+
+def bench(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        from kernels._common import bench_ms
+
+        return bench_ms(fn)
+    return timed_ms(fn, device, repeat=2)
+
+
+# -- the decode step ------------------------------------------------------------------------------
+def decode_steps(ctx: Context) -> list[Row]:
+    """Pure decode steps at the profile's two batch sizes (1 and 64 on a GPU) with
+    ``benchmarks/throughput.py``'s roofline: all weights plus every sequence's KV read once per
+    step, over the device's peak HBM bandwidth."""
+    from benchmarks.throughput import decode_roofline
+
+    llm, p = shared_llm(ctx), ctx.profile
+    rows = []
+    for batch in p.batches:
+        r = decode_roofline(llm, batch, p.decode_context, steps=p.decode_steps)
+        ctx.shared[f"step_ms_b{batch}"] = r["step_ms"]
+        name = f"decode step, batch {batch}"
+        if "fraction_of_roofline" not in r:
+            measured = f"{r['step_ms']:.2f} ms, {r['achieved_GBps']:.1f} GB/s (no HBM peak)"
+            rows.append(Row.perf(name, None, measured, ">= 50% of HBM roofline", **r))
+            continue
+        frac = r["fraction_of_roofline"]
+        measured = f"{r['step_ms']:.2f} ms, {frac:.0%} of HBM roofline ({r['roofline_ms']:.2f} ms)"
+        rows.append(Row.perf(name, frac >= 0.5, measured, ">= 50% of HBM roofline", **r))
+    return rows
+
+
+def profiled_step(ctx: Context) -> list[Row]:
+    """Kernels per decode step and the device's busy share at the larger batch (64 on a GPU),
+    from ``torch.profiler``. On CPU: top-level aten ops per step and their share of the wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm, p, dev, steps = shared_llm(ctx), ctx.profile, ctx.device, 8
+    batch = p.batches[-1]
+    activities = [ProfilerActivity.CPU]
+    activities += [ProfilerActivity.CUDA] if dev.type == "cuda" else []
+    with decoding(llm, batch, p.decode_context, steps + 4) as engine:
+        for _ in range(3):
+            engine.step()
+        sync(dev)
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            sync(dev)
+            wall_us = (time.perf_counter() - start) * 1e6
+    events = prof.events()
+    if dev.type == "cuda":
+        work = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [e for e in work if not e.name.startswith(("Memcpy", "Memset"))]
+        what = "kernels"
+    else:
+        work = kernels = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+        what = "top-level ops (CPU)"
+    busy = union_us([(e.time_range.start, e.time_range.end) for e in work]) / wall_us
+    per_step, copies = len(kernels) / steps, (len(work) - len(kernels)) / steps
+    on_gpu = dev.type == "cuda"
+    count = f"{per_step:.0f}" + (f" (+ {copies:.0f} copies)" if on_gpu else "")
+    share = f"{busy:.0%} of {wall_us / steps / 1e3:.2f} ms per step"
+    return [
+        Row.perf(f"{what} per decode step, b{batch}", None, count, "info", per_step=per_step),
+        Row.perf(f"device busy share, b{batch}", busy >= 0.9 if on_gpu else None, share,
+                 ">= 90% (CUDA)", busy=busy),
+    ]  # fmt: skip
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def sampler_share(ctx: Context) -> list[Row]:
+    """The sampler with temperature + top-p over the model's vocabulary at the larger batch (64
+    on a GPU), against the decode step of that batch (greedy, as ``decode step`` timed it)."""
+    from common import SamplingParams
+    from common.sampler import Sampler, SampleRow
+
+    llm, dev, batch = shared_llm(ctx), ctx.device, ctx.profile.batches[-1]
+    params = SamplingParams(temperature=0.6, top_p=0.9, max_tokens=16)
+    rows = [SampleRow(params, i, 0, [], [], None) for i in range(batch)]
+    logits = torch.randn(batch, llm.engine.vocab_size, device=dev)
+    sampler = Sampler()
+    ms = timed_ms(lambda: sampler.sample(logits, rows), dev, repeat=10)
+    name, step_ms = f"sampler share of step, b{batch}", ctx.shared.get(f"step_ms_b{batch}")
+    if step_ms is None:
+        return [Row.perf(name, None, f"{ms:.2f} ms (no decode step timed)", "", ms=ms)]
+    share = ms / step_ms
+    measured = f"{ms:.2f} ms (temp + top-p) = {share:.0%} of the {step_ms:.2f} ms step"
+    ok = share <= 0.1 if dev.type == "cuda" else None
+    return [Row.perf(name, ok, measured, "<= 10% (CUDA)", ms=ms, share=share)]
+
+
+# -- throughput and the KV path -------------------------------------------------------------------
+def throughput_vs_hf(ctx: Context) -> list[Row]:
+    """The nano-vllm workload, short form: pdserve's ``generate`` against HF's in one run."""
+    from benchmarks.throughput import Workload, run_hf, run_pdserve
+
+    llm = shared_llm(ctx)
+    n, inputs, outputs, hf_batch = ctx.profile.throughput
+    work = Workload.random(n, inputs, outputs, llm.engine.vocab_size, seed=0)
+    ours = run_pdserve(llm, work, temperature=0.6)
+    runner = llm.engine.runner
+    model_dir = str(llm.engine.model_dir)
+    hf = run_hf(model_dir, work, hf_batch, runner.dtype, runner.device, temperature=0.6)
+    ratio = ours.tokens_per_s / hf.tokens_per_s
+    measured = (f"{ours.tokens_per_s:,.0f} vs {hf.tokens_per_s:,.0f} tok/s: {ratio:.1f}x "
+                f"({n} requests)")  # fmt: skip
+    ok = ratio >= 3.0 if ctx.device.type == "cuda" else None
+    return [Row.perf("throughput vs HF", ok, measured, ">= 3x HF (CUDA)", ratio=ratio,
+                     pdserve_tok_s=ours.tokens_per_s, hf_tok_s=hf.tokens_per_s)]  # fmt: skip
+
+
+def kv_load(ctx: Context) -> list[Row]:
+    """A prompt set's KV loaded through the connector (file store) against recomputing it
+    (``benchmarks/kv_connector.py``). Its engines get a bounded KV cache each: three engines
+    share the device, and each would otherwise size its cache to 90% of it."""
+    from benchmarks import kv_connector
+    from common.config import EngineConfig
+
+    release_shared(ctx)
+    gb = 8.0 if ctx.device.type == "cuda" else 0.25
+
+    class Bounded:
+        @staticmethod
+        def from_kwargs(**kwargs: Any) -> EngineConfig:
+            return EngineConfig.from_kwargs(**kwargs, kv_cache_memory_gb=gb)
+
+    real = kv_connector.EngineConfig
+    kv_connector.EngineConfig = Bounded  # type: ignore[assignment,misc]
+    try:
+        report = kv_connector.measure(kv_section_args(ctx))
+    finally:
+        kv_connector.EngineConfig = real  # type: ignore[misc]
+    r = report["rows"][0]
+    measured = (f"load {r['load_ms']:.0f} ms vs prefill {r['prefill_ms']:.0f} ms "
+                f"({r['load_over_prefill']:.2f}x), transfer {r['transfer_GBps']:.2f} GB/s, "
+                f"{r['prompts']}")  # fmt: skip
+    ok = r["load_over_prefill"] < 1.0 if ctx.device.type == "cuda" else None
+    return [Row.perf("KV load vs recompute", ok, measured, "load < prefill (CUDA)", **r)]

@@ -1,0 +1,137 @@
+"""The correctness sections of ``benchmarks/gpu_check.py``: the test suites run on the device
+(pytest in a subprocess, pointed at CUDA by the conftests' switches), and eager against graph
+replay."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from benchmarks.gpu_check_measure import close, free_memory
+from benchmarks.gpu_check_types import Context, Row
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the test suites on the device ----------------------------------------------------------------
+def pytest_row(ctx: Context, name: str, args: tuple[str, ...], cap_s: float, **env: str) -> Row:
+    """One pytest run in a subprocess pointed at the run's device; passes when every selected
+    test passed (and at least one ran). ``env``: extra variables (the tests' switches)."""
+    junit = ctx.work_dir / f"{name.replace(' ', '-')}.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += [f"--junitxml={junit}", *args]
+    timeout = max(1.0, min(cap_s, ctx.remaining()))
+    print(f"    pytest {' '.join(args)} (timeout {timeout:.0f} s)", flush=True)
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env=pytest_env(ctx, env), capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"")[-2000:]
+        return Row.check(name, False, f"timeout after {timeout:.0f} s", "all pass", tail=str(tail))
+    counts = junit_counts(junit)
+    failed = counts["failures"] + counts["errors"]
+    passed = counts["tests"] - failed - counts["skipped"]
+    secs = time.monotonic() - start
+    measured = f"{passed} passed, {failed} failed, {counts['skipped']} skipped ({secs:.0f} s)"
+    ok = done.returncode == 0 and passed > 0
+    return Row.check(name, ok, measured, "all pass", **counts, tail=done.stdout[-3000:])
+
+
+def pytest_env(ctx: Context, extra: dict[str, str]) -> dict[str, str]:
+    from common.cache_dir import default_cache_root
+
+    env = dict(os.environ, **extra)
+    env["PDSERVE_CACHE_DIR"] = str(default_cache_root())  # built-in models built once, shared
+    if ctx.device.type == "cuda":
+        env["PDSERVE_TEST_DEVICE"] = "cuda"  # the conftests fail rather than fall back to CPU
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    keys = ("tests", "failures", "errors", "skipped")
+    if not path.is_file():
+        return dict.fromkeys(keys, 0)
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    return {k: sum(int(s.get(k, 0)) for s in suites) for k in keys}
+
+
+def kernel_tests(ctx: Context) -> list[Row]:
+    cap = ctx.profile.test_caps_s[0]
+    return [pytest_row(ctx, "kernel tests", ctx.profile.kernel_tests, cap)]
+
+
+def hf_graphs_on(ctx: Context) -> list[Row]:
+    cap = ctx.profile.test_caps_s[1]
+    return [pytest_row(ctx, "HF equivalence, graphs+overlap on", ctx.profile.engine_tests, cap)]
+
+
+def hf_graphs_off(ctx: Context) -> list[Row]:
+    cap, tests = ctx.profile.test_caps_s[2], ctx.profile.engine_tests
+    name = "HF equivalence, graphs+overlap off"
+    return [pytest_row(ctx, name, tests, cap, PDSERVE_TEST_EAGER="1")]
+
+
+# -- eager == graph replay ------------------------------------------------------------------------
+def eager_vs_graph(ctx: Context) -> list[Row]:
+    """Greedy tokens of an eager, serial engine against a graph-replaying, overlapped one (tiny
+    Llama in fp32). On CPU the graphs run their padded, fixed-address forward uncaptured."""
+    from common import SamplingParams
+
+    count, max_tokens = ctx.profile.eager_graph
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 200))] for _ in range(count)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    want, _ = greedy(ctx, prompts, params, enforce_eager=True, async_scheduling=False)
+    got, replays = greedy(ctx, prompts, params, async_scheduling=True)
+    same = sum(a == b for a, b in zip(got, want))
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    measured = f"{same}/{count} prompts equal, {replays} graph replays"
+    measured += f" (first divergence: prompt {first})" if first is not None else ""
+    ok = same == count and replays > 0
+    return [Row.check("eager == graph replay", ok, measured, "all equal, replays > 0")]
+
+
+def greedy(ctx: Context, prompts, params, **engine_args) -> tuple[list[list[int]], int]:
+    """(token ids per prompt, graph replays) of one tiny-llama engine, released after."""
+    from common import LLM
+
+    bounded = {"kv_cache_memory_gb": 2.0} if ctx.device.type == "cuda" else {}
+    llm = LLM(model="tiny-llama", device=str(ctx.device), **bounded, **engine_args)
+    try:
+        replays = count_replays(llm) if not engine_args.get("enforce_eager") else [0]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], replays[0]
+    finally:
+        close(llm)
+        del llm
+        free_memory()
+
+
+def count_replays(llm) -> list[int]:
+    """Counts the runner's graph replays (a one-item list, updated as it runs). On CPU, where no
+    graph is captured, the runner gets the uncaptured graph-shaped path first."""
+    from common.cuda_graphs import DecodeGraphs
+
+    runner = llm.engine.runner
+    if runner.graphs is None:
+        runner.graphs = DecodeGraphs.for_runner(runner, capture=False)
+        runner.graphs.capture_all(runner.kv_layers)
+    graphs, replays = runner.graphs, [0]
+    real = graphs.replay
+
+    def replay(size, inputs):
+        replays[0] += 1
+        return real(size, inputs)
+
+    graphs.replay = replay
+    return replays
