@@ -26,6 +26,7 @@ and host syncs are refused (its uploads of per-row parameters are allowed: pinne
 from __future__ import annotations
 
 import importlib
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +46,6 @@ from common.models.shapes import SHAPES
 from common.sampler import Sampler, SampleRow
 from common.sampling_params import SamplingParams
 from common.step_inputs import BatchLimits, InputBuffers
-from kernels.cross_compile import LAUNCHER_MODULES
 
 MAX_LAUNCHES_PER_LAYER = 12
 QK_NORM_LAUNCHES = 5  # Qwen3: two head-row copies, two norms, one concatenation (llama.py)
@@ -173,14 +173,26 @@ def record_triton_launches(
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
+    import kernels  # noqa: F401 - imports every launcher module
+
     kinds = (triton.runtime.JITFunction, InterpretedFunction)
     with monkeypatch.context() as patch:
-        for module in map(importlib.import_module, LAUNCHER_MODULES):
+        for module in launcher_modules():
             patch.setattr(module, "check_runnable", lambda kernel, device: None)
             for attr, value in vars(module).copy().items():
                 if isinstance(value, kinds):
                     patch.setattr(module, attr, _RecordedKernel(attr, tracer))
         yield
+
+
+def launcher_modules() -> list[object]:
+    """The imported ``kernels`` modules that launch Triton kernels (each checks its device)."""
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("kernels.") and name != "kernels._common"
+        and hasattr(module, "check_runnable")
+    ]  # fmt: skip
 
 
 # -- the model, inputs and cache on meta --------------------------------------------------------
