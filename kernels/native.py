@@ -4,7 +4,7 @@
 (RMSNorm, SiLU-and-mul, RoPE + cache write) share the element types of ``bf16.h``; they are
 compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the host CPU,
 each with its own flags, and linked into one shared library in ``<cache root>/kernels/<key>/``
-(``common.cache_dir``: built once, published atomically, safe from several processes at once).
+(``common.native_build``: built once, published atomically, safe from several processes at once).
 Building takes about two seconds; the key hashes the sources and headers, the flags, the
 compiler and the CPU's feature flags, so a cache shared between machines never hands one a
 library built for another's instruction set.
@@ -21,27 +21,17 @@ share one thread pool; the launchers pass ``torch.get_num_threads()`` explicitly
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
 import threading
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from common.cache_dir import build_once, default_cache_root
+from common import native_build
+from common.native_build import Source
 
 logger = logging.getLogger(__name__)
-
-
-class Source(NamedTuple):
-    path: Path
-    flags: tuple[str, ...]
-
 
 _CSRC = Path(__file__).with_name("csrc")
 _COMMON_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11")
@@ -122,48 +112,20 @@ def _open(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        path = shutil.which(name) if name else None
-        if path:
-            return path
-    raise RuntimeError("no C compiler found (set $CC, or install gcc)")
+_compiler = native_build.compiler
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def _library_spec() -> native_build.NativeLibrary:
+    """What to build, from SOURCES and HEADERS as they are now."""
+    return native_build.NativeLibrary(
+        name=_LIB_NAME, cache_subdir="kernels", sources=SOURCES, include_dir=_CSRC,
+        headers=HEADERS, link_flags=_LINK_FLAGS, libs=("-lm",),
+    )  # fmt: skip
 
 
 def _cache_key(cc: str) -> str:
-    parts = [cc, " ".join(_LINK_FLAGS), _cpu_flags(), platform.machine()]
-    for source in SOURCES:
-        parts += [source.path.read_text(), " ".join(source.flags)]
-    parts += [header.read_text() for header in HEADERS]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return native_build.cache_key(_library_spec(), cc)
 
 
 def _build() -> Path:
-    cc = _compiler()
-
-    def compile_into(out: Path) -> None:
-        objects = [out / source.path.with_suffix(".o").name for source in SOURCES]
-        commands = [
-            [cc, *source.flags, "-I", str(_CSRC), "-c", str(source.path), "-o", str(obj)]
-            for source, obj in zip(SOURCES, objects, strict=True)
-        ]
-        commands.append([cc, *_LINK_FLAGS, *map(str, objects), "-o", str(out / _LIB_NAME), "-lm"])
-        for cmd in commands:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
-        for obj in objects:
-            obj.unlink()
-
-    target = default_cache_root() / "kernels" / _cache_key(cc)
-    return build_once(target, compile_into, lambda d: (d / _LIB_NAME).is_file()) / _LIB_NAME
+    return native_build.build(_library_spec(), _compiler())
