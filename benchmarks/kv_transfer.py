@@ -3,6 +3,7 @@
     python benchmarks/kv_transfer.py            # full run (~3-4 min on 2 cores)
     python benchmarks/kv_transfer.py --quick    # a few seconds
     python benchmarks/kv_transfer.py --stores arena file --workers 8
+    python -m benchmarks.kv_transfer --stores arena arena-locked --granularities block chunks
 
 For each store, layout and granularity, the same bytes go through the store and through the
 plain baseline in the same run:
@@ -11,6 +12,9 @@ plain baseline in the same run:
     open + one preadv into its buffers, in a sibling directory on the same filesystem, by 1 and by
     `--workers` threads (each batch split into contiguous slices); the better of the two counts;
   - RedisStore vs raw redis-py: SET/GET of the bare payloads, pipelined per batch the same way.
+Store "arena" is the ArenaStore as processes get it (lock-free reads through its C slot
+protocol); "arena-locked" the same store with every read batch under the arena lock, as a
+machine with no C compiler runs it.
 Granularity "block" stores one entry per block holding every layer, from a block-major buffer;
 "chunks" stores the same entries from a layer-major staging buffer, each entry's payload given
 as its L per-layer slices (what the connector hands the store) and read back into L slices;
@@ -306,13 +310,13 @@ def _row(
 ) -> tuple[str, ...]:
     root = Path(args.dir)
     raws: list[Phases]
-    if name == "arena":  # a fresh arena per row: each workload has its own entry size
+    if name.startswith("arena"):  # a fresh arena per row: each workload has its own entry size
         path = arena_path(layout.name, root / "arena")
         path.unlink(missing_ok=True)
         capacity = (w.num_entries + w.num_entries // 4) * (64 + w.entry_bytes + 64)
         store: KVStore = ArenaStore(
             path, layout.name, payload_bytes=w.entry_bytes, capacity_bytes=capacity,
-            workers=args.workers,
+            workers=args.workers, locked_reads=name == "arena-locked",
         )  # fmt: skip
     elif name == "file":
         capacity = 4 * w.total_bytes
@@ -369,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mib", type=int, default=256, help="data per case (MiB)")
     parser.add_argument("--repeat", type=int, default=3, help="best of N runs per figure")
     parser.add_argument("--dir", default="/dev/shm/pdserve-bench", help="store + raw dir")
-    parser.add_argument("--stores", nargs="+", default=["arena", "file", "redis"])
+    parser.add_argument(
+        "--stores", nargs="+", default=["arena", "file", "redis"],
+        choices=["arena", "arena-locked", "file", "redis"],
+    )  # fmt: skip
     parser.add_argument("--granularities", nargs="+", default=list(GRANULARITIES))
     parser.add_argument("--workers", type=int, default=default_workers(), help="I/O threads")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")

@@ -3,8 +3,8 @@ the creation, opening, checking and mapping of the file.
 
 ```
 <base>/<fingerprint digest>.arena          0600; default base /dev/shm/pdserve (0700)
-  [0, 4096)   header    magic, version, fingerprint digest, payload bytes, slot size and count,
-                        table size (checksummed, immutable); shared counters (CLOCK hand,
+  [0, 4096)   header    magic, version, slot protocol, fingerprint digest, payload bytes, slot
+                        size and count, table size (checksummed, immutable); counters (CLOCK hand,
                         evictions, hits, misses); the fingerprint string, for the CLI
   table       open addressing, a power of two ≥ 2 × slots:  key0 u64 | key1 u64 | slot + 1 u32
               (0 = empty, 0xffffffff = tombstone), key = blake2b-128 of the store key
@@ -21,18 +21,21 @@ makes a put 3-4x faster than writing a file on tmpfs (docs/BENCHMARKS.md, "KV tr
 truncate an arena in use (a process touching a page past the end gets SIGBUS); removing or
 replacing the file is safe but splits the processes (old ones keep the old file).
 
-NOTE (slot states and generations): a slot's generation is odd while it is WRITING and even
-otherwise, and every state change moves it (`begin_write`, `commit`, `free`), so a reader that
-sees the same even generation before and after its copy knows no writer touched the slot in
-between. (This assumes stores become visible in program order, as on x86; where they do not, a
-tear it misses is still caught by the entry checksums.) A table cell is written key first, slot
-last, so a lock-free probe sees a cell only once its key is there. Table probes are racy by
-design: a torn or moved cell is at worst a miss, because the slot metadata decides.
+NOTE (who orders what): the slot state words (generation, state, key, checksum, reference bit)
+change only through the arena's slot protocol (`arena_slots.py`), chosen when the file is
+created and recorded in its header: C11 atomics with acquire/release orderings and lock-free
+reads (`AtomicSlots`, ``csrc/arena_slots.c`` states the argument), or every read under the arena
+lock (`LockedSlots`, where no C compiler exists). Everything else here (the table, the counters,
+the CLOCK hand) is written under the arena lock only, and the lock (an flock: mutual exclusion,
+ordered by the kernel as a mutex is) orders it for the next holder. Lock-free table probes read
+cells that a writer may be changing: any value they read is at worst a miss, because a probe's
+answer is only a slot to try, and the slot's own key, read through the protocol, decides.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import mmap
 import os
@@ -46,24 +49,34 @@ import numpy as np
 import xxhash
 
 from kv_store import entry
+from kv_store.arena_slots import (
+    COMMITTED,
+    SLOT_COLUMNS,
+    AtomicSlots,
+    LockedSlots,
+    load_error,
+    load_library,
+)
 from kv_store.file_store import DEFAULT_BASE, default_capacity, make_private_dir
 
 SUFFIX = ".arena"
-MAGIC, VERSION = b"PDKVAREN", 1
-FREE, WRITING, COMMITTED = 0, 1, 2
+MAGIC, VERSION = b"PDKVAREN", 2
+LOCKED_READS = 1  # header flag: the arena's reads take the lock (`LockedSlots`)
 _PAGE = 4096
 _EMPTY, _TOMB = 0, 0xFFFFFFFF
-_HEADER = struct.Struct("<8sII16sQQII")  # magic, version, 0, fp digest, payload, slot, n, table
+_HEADER = struct.Struct("<8sII16sQQII")  # magic, version, flags, fp digest, payload, slot, n, table
 _HEADER_XXH = struct.Struct("<Q")  # xxh3 of _HEADER, right after it: 64 immutable bytes
 _HAND, _TABLE_USED, _EVICTIONS, _HITS, _MISSES = range(5)  # u64 counters at byte 64
 _FP_OFFSET = 256  # u16 length + UTF-8 fingerprint
 _TABLE_COLUMNS = (("tkey0", "Q"), ("tkey1", "Q"), ("tslot", "I"))
-_SLOT_COLUMNS = (("gen", "Q"), ("key0", "Q"), ("key1", "Q"), ("xxh", "Q"), ("stamp", "Q"),
-                 ("owner", "Q"), ("state", "B"), ("ref", "B"))  # fmt: skip
 
 
 class ArenaGeometryError(ValueError):
     """The arena file does not match what the caller asked for, or is not an arena."""
+
+
+class ArenaProtocolError(ArenaGeometryError):
+    """The arena's slot protocol (recorded in its header) is one this process cannot run."""
 
 
 def _round_up(n: int, to: int) -> int:
@@ -100,7 +113,7 @@ class Geometry:
         """(name, struct format, length, byte offset) of each table and slot column, each
         64-byte aligned, after the header page."""
         out, at = [], _PAGE
-        for columns, count in ((_TABLE_COLUMNS, self.table_size), (_SLOT_COLUMNS, self.slot_count)):
+        for columns, count in ((_TABLE_COLUMNS, self.table_size), (SLOT_COLUMNS, self.slot_count)):
             for name, fmt in columns:
                 out.append((name, fmt, count, at))
                 at = _round_up(at + struct.calcsize(fmt) * count, 64)
@@ -116,14 +129,14 @@ class Geometry:
     def file_size(self) -> int:
         return self.data_offset + self.slot_count * self.slot_size
 
-    def encode(self, fingerprint: str) -> bytes:
-        """The header page of a new arena (counters zero)."""
+    def encode(self, fingerprint: str, flags: int) -> bytes:
+        """The header page of a new arena (counters zero); `flags`: 0 or LOCKED_READS."""
         digest = entry.fingerprint_digest(fingerprint)
         fp = fingerprint.encode()
         if _FP_OFFSET + 2 + len(fp) > _PAGE:
             raise ValueError("fingerprint too long for an arena header")
         sizes = (self.payload_bytes, self.slot_size, self.slot_count, self.table_size)
-        body = _HEADER.pack(MAGIC, VERSION, 0, digest, *sizes)
+        body = _HEADER.pack(MAGIC, VERSION, flags, digest, *sizes)
         page = bytearray(_PAGE)
         page[: _HEADER.size] = body
         _HEADER_XXH.pack_into(page, _HEADER.size, xxhash.xxh3_64_intdigest(body))
@@ -131,15 +144,20 @@ class Geometry:
         return bytes(page)
 
     @classmethod
-    def decode(cls, page: bytes) -> tuple[Geometry, str]:
-        """(geometry, fingerprint) of a header page; ArenaGeometryError if it is not one."""
+    def decode(cls, page: bytes) -> ArenaHeader:
+        """The header of an arena's first page; ArenaGeometryError if it is not one."""
         if len(page) < _PAGE:
             raise ArenaGeometryError("file too short for an arena header")
         body = page[: _HEADER.size]
         (xxh,) = _HEADER_XXH.unpack_from(page, _HEADER.size)
-        magic, version, _, digest, payload, slot_size, slots, table = _HEADER.unpack(body)
-        if magic != MAGIC or version != VERSION or xxh != xxhash.xxh3_64_intdigest(body):
-            raise ArenaGeometryError("not a pdserve arena (bad magic, version or checksum)")
+        magic, version, flags, digest, payload, slot_size, slots, table = _HEADER.unpack(body)
+        if magic == MAGIC and version != VERSION:  # version 1: slot states in Python, no flags
+            raise ArenaGeometryError(
+                f"arena of layout version {version}, this pdserve uses {VERSION}: stop its"
+                " users and remove the file to recreate it"
+            )
+        if magic != MAGIC or xxh != xxhash.xxh3_64_intdigest(body):
+            raise ArenaGeometryError("not a pdserve arena (bad magic or checksum)")
         (n,) = struct.unpack_from("<H", page, _FP_OFFSET)
         fingerprint = page[_FP_OFFSET + 2 : _FP_OFFSET + 2 + n].decode(errors="replace")
         geometry = cls(payload, slots)
@@ -147,7 +165,16 @@ class Geometry:
             raise ArenaGeometryError("inconsistent arena header")
         if entry.fingerprint_digest(fingerprint) != digest:
             raise ArenaGeometryError("arena header fingerprint does not match its digest")
-        return geometry, fingerprint
+        return ArenaHeader(geometry, fingerprint, bool(flags & LOCKED_READS))
+
+
+class ArenaHeader(NamedTuple):
+    """What an arena's header page holds: its geometry, its fingerprint, and whether its
+    reads take the lock (`LockedSlots`) rather than run lock-free (`AtomicSlots`)."""
+
+    geometry: Geometry
+    fingerprint: str
+    locked_reads: bool
 
 
 def arena_path(fingerprint: str, base: str | os.PathLike[str] = DEFAULT_BASE) -> Path:
@@ -158,7 +185,7 @@ def arena_path(fingerprint: str, base: str | os.PathLike[str] = DEFAULT_BASE) ->
 def read_fingerprint(path: str | os.PathLike[str]) -> str:
     """The fingerprint an arena file holds (for `list_fingerprints`)."""
     with open(path, "rb") as f:
-        return Geometry.decode(f.read(_PAGE))[1]
+        return Geometry.decode(f.read(_PAGE)).fingerprint
 
 
 def names_file(path: Path, fd: int) -> bool:
@@ -205,12 +232,13 @@ def owner_alive(owner: int, our_namespace: int) -> bool:
 class ArenaMapping:
     """The mmap of an arena and typed views of its parts: numpy arrays for vector work and
     copies, memoryview casts for scalar access (several times faster per element); the index
-    table and the state changes of a slot on top of them.
+    table on top of them, and `slots`, the arena's slot protocol over its slot columns.
 
-    `find`, `committed` and `read_begin` take no lock (a racy read is at worst a miss). Every
-    other method writes shared metadata: its caller holds the arena lock (the store's flock)."""
+    `find` and `committed` take no lock when `slots` reads lock-free (a racy read is at worst a
+    miss). Every other method writes shared metadata: its caller holds the arena lock."""
 
-    def __init__(self, fd: int, geometry: Geometry) -> None:
+    def __init__(self, fd: int, geometry: Geometry, lib: ctypes.PyDLL | None) -> None:
+        """`lib`: the C slot protocol (`AtomicSlots`), or None for `LockedSlots`."""
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self.mm = mmap.mmap(fd, geometry.file_size, flags=flags)
         self.bytes = np.frombuffer(self.mm, np.uint8)
@@ -224,6 +252,7 @@ class ArenaMapping:
             self.mv[name] = self.view[start:end].cast(fmt)  # type: ignore[call-overload]
         self._slots, self._table_size = geometry.slot_count, geometry.table_size
         self._mask = self._table_size - 1
+        self.slots = AtomicSlots(lib, self.np) if lib else LockedSlots(self.mv, self.np)
 
     # -- table (the open-addressing index) ------------------------------------------------------
 
@@ -291,48 +320,12 @@ class ArenaMapping:
             if displaced >= 0:  # two slots of one key (a crash mid-publish): keep one
                 self.free_if_holds(displaced, d0, d1)
 
-    # -- slot states ----------------------------------------------------------------------------
+    # -- slot states (through the protocol) -----------------------------------------------------
 
     def committed(self, d0: int, d1: int) -> int:
-        """The COMMITTED slot that holds the key, -1 if none. Lock-free."""
+        """The COMMITTED slot that holds the key, -1 if none."""
         slot = self.find(d0, d1)
-        return slot if slot >= 0 and self.read_begin(slot, d0, d1) >= 0 else -1
-
-    def read_begin(self, slot: int, d0: int, d1: int) -> int:
-        """The generation of `slot` if it is COMMITTED to the key, else -1: a lock-free read
-        starts here, and the slot's bytes are the key's if the generation is unchanged after."""
-        mv = self.mv
-        gen = mv["gen"][slot]
-        if (
-            gen & 1
-            or mv["state"][slot] != COMMITTED
-            or (mv["key0"][slot], mv["key1"][slot]) != (d0, d1)
-        ):
-            return -1
-        return gen
-
-    def begin_write(self, slot: int, d0: int, d1: int, owner: int, now: int) -> int:
-        """Mark `slot` WRITING for `owner` (generation made odd); returns that generation."""
-        mv = self.mv
-        gen = mv["gen"][slot] + 1 | 1
-        mv["gen"][slot] = gen
-        mv["state"][slot], mv["ref"][slot] = WRITING, 0
-        mv["key0"][slot], mv["key1"][slot] = d0, d1
-        mv["owner"][slot], mv["stamp"][slot] = owner, now
-        return gen
-
-    def commit(self, slot: int, gen: int, xxh: int) -> None:
-        """Mark the slot claimed at generation `gen` COMMITTED with payload checksum `xxh`
-        (generation made even). The key's table cell is the caller's to write."""
-        mv = self.mv
-        mv["xxh"][slot], mv["state"][slot] = xxh, COMMITTED
-        mv["gen"][slot] = gen + 1
-
-    def free(self, slot: int) -> None:
-        mv = self.mv
-        mv["gen"][slot] = mv["gen"][slot] + 1 | 1
-        mv["state"][slot] = FREE
-        mv["gen"][slot] = mv["gen"][slot] + 1
+        return slot if slot >= 0 and self.slots.read_begin(slot, d0, d1) >= 0 else -1
 
     def free_if_holds(self, slot: int, d0: int, d1: int) -> None:
         """Free `slot` if it is the committed slot of key (d0, d1) (a stale table cell may name
@@ -343,15 +336,14 @@ class ArenaMapping:
             and mv["state"][slot] == COMMITTED
             and (mv["key0"][slot], mv["key1"][slot]) == (d0, d1)
         ):
-            self.free(slot)
+            self.slots.free(slot)
 
     def free_all(self) -> int:
         """Free every COMMITTED slot (WRITING ones are left to their writers), empty the table,
         put the CLOCK hand back at slot 0; returns how many slots were freed."""
-        state, gen = self.np["state"], self.np["gen"]
-        committed = np.flatnonzero(state == COMMITTED)
-        state[committed] = FREE
-        gen[committed] += 2  # still even, but changed: a reader mid-copy misses
+        committed = np.flatnonzero(self.np["state"] == COMMITTED).tolist()
+        for slot in committed:
+            self.slots.free(slot)
         self.clear_table()
         self.counters[_HAND] = 0
         return len(committed)
@@ -377,21 +369,40 @@ class OpenArena(NamedTuple):
 
 
 def open_arena(
-    path: Path, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None
+    path: Path,
+    fingerprint: str,
+    payload_bytes: int | None,
+    capacity_bytes: int | None,
+    *,
+    locked_reads: bool = False,
 ) -> OpenArena:
     """Open (creating it if missing), check and map the arena at `path`; ArenaGeometryError if
-    it holds another fingerprint or geometry than asked (None: take the file's)."""
-    fd = _open_or_create(path, fingerprint, payload_bytes, capacity_bytes)
+    it holds another fingerprint or geometry than asked (None: take the file's).
+
+    A new arena reads lock-free (`AtomicSlots`) if the C slot protocol builds here and
+    `locked_reads` is False, else under the lock (`LockedSlots`); an existing one keeps its
+    own mode. ArenaProtocolError if it reads lock-free and this process cannot follow."""
+    lib = None if locked_reads else load_library()
+    flags = 0 if lib is not None else LOCKED_READS
+    fd = _open_or_create(path, fingerprint, payload_bytes, capacity_bytes, flags)
     try:
-        geometry = _check_geometry(fd, fingerprint, payload_bytes, capacity_bytes)
-        return OpenArena(fd, geometry, ArenaMapping(fd, geometry))
+        header = _check_header(fd, fingerprint, payload_bytes, capacity_bytes)
+        if not header.locked_reads and lib is None:
+            why = "locked reads were asked" if locked_reads else load_error()
+            raise ArenaProtocolError(
+                f"arena {path} is read lock-free through the C slot protocol, which this"
+                f" process cannot run ({why}); remove the arena (all its users stopped) to"
+                " recreate it with locked reads"
+            )
+        mapping = ArenaMapping(fd, header.geometry, None if header.locked_reads else lib)
+        return OpenArena(fd, header.geometry, mapping)
     except BaseException:
         os.close(fd)
         raise
 
 
 def _open_or_create(
-    path: Path, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None
+    path: Path, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None, flags: int
 ) -> int:
     """An O_RDWR fd of the arena at `path`, creating it (fully allocated, header written, then
     linked into place, so no process ever maps a half-made arena) if it does not exist."""
@@ -408,7 +419,7 @@ def _open_or_create(
     fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.posix_fallocate(fd, 0, geometry.file_size)  # ENOSPC now, not SIGBUS later
-        os.pwrite(fd, geometry.encode(fingerprint), 0)
+        os.pwrite(fd, geometry.encode(fingerprint, flags), 0)
         try:
             os.link(temp, path)
         except FileExistsError:  # another process created it first: use theirs
@@ -422,11 +433,12 @@ def _open_or_create(
         temp.unlink(missing_ok=True)
 
 
-def _check_geometry(
+def _check_header(
     fd: int, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None
-) -> Geometry:
-    """The arena's geometry, after checking it against the file and what the caller asked."""
-    geometry, stored = Geometry.decode(os.pread(fd, _PAGE, 0))
+) -> ArenaHeader:
+    """The arena's header, after checking it against the file and what the caller asked."""
+    header = Geometry.decode(os.pread(fd, _PAGE, 0))
+    geometry, stored = header.geometry, header.fingerprint
     if stored != fingerprint:
         raise ArenaGeometryError(f"arena holds fingerprint {stored!r}, not {fingerprint!r}")
     if os.fstat(fd).st_size != geometry.file_size:
@@ -442,4 +454,4 @@ def _check_geometry(
             raise ArenaGeometryError(
                 f"arena geometry mismatch: it has {geometry.slot_count} slots, {asked} asked"
             )
-    return geometry
+    return header

@@ -12,16 +12,22 @@ thread lock) twice, never per entry, and never while copying: *claim* picks a sl
 what the slot held and marks it WRITING for this process (generation made odd); the workers then
 copy payloads and headers outside the lock; *publish* marks each slot COMMITTED (generation made
 even), stores the payload checksum in its metadata and maps the key to it. A slot is claimed from
-its own generation: a publish whose slot was reclaimed in between does not commit (False).
+its own generation: a publish whose slot was reclaimed in between does not commit (False). Every
+change of a slot's state goes through the arena's slot protocol (`arena_slots.py`).
 
-NOTE (readers take no lock): a get finds the slot in the table, reads the slot's generation g
-(even), state, key and checksum, copies header and payload into the caller's buffers, then reads
-the generation again: any claim, eviction or reclaim of the slot in between changed it, and the
-read is a miss. The copied bytes are then verified like any entry (header, fingerprint, token
-count, size, xxh3), and the header's checksum must equal the one the slot's publisher recorded,
-which binds the bytes to the key: even a writer that outlived its claim and scribbles over a reused
-slot can only cause misses, never another key's bytes. Hits set the slot's reference bit; hit and
-miss counts reach the shared counters when the lock is free, so a reader never waits for it.
+NOTE (readers): a get finds the slot in the table, takes the slot's generation g (even; state
+COMMITTED, key ours) from the slot protocol, reads the recorded checksum, copies header and
+payload into the caller's buffers, then asks the protocol whether the generation is still g: any
+claim, eviction or reclaim of the slot in between changed it, and the read is a miss. With the C
+protocol (`AtomicSlots`) this takes no lock, and its acquire/release orderings (argued in
+``csrc/arena_slots.c``, in the C11 memory model, not any CPU's) make an unchanged g mean the bytes
+are the ones g published; without it (`LockedSlots`, no C compiler) a read batch holds the arena
+lock, so no writer changes a slot it reads. The copied bytes are then verified like any entry
+(header, fingerprint, token count, size, xxh3), and the header's checksum must equal the one the
+slot's publisher recorded, which binds the bytes to the key. A failure there is corruption or a
+writer that outlived its claim (reclaimed as stale, then scribbling over a reused slot): a miss,
+counted in `checksum_catches` and logged, never a tear the generation missed. Hits set the slot's
+reference bit; hit and miss counts reach the shared counters when the lock is free.
 
 NOTE (eviction and crashes): CLOCK over the slot ring. The hand takes FREE slots as it meets
 them; a COMMITTED slot whose reference bit (set by every hit) is set gets a second chance, one
@@ -54,11 +60,9 @@ from kv_store.arena_layout import (
     _HITS,
     _MISSES,
     _TABLE_USED,
-    COMMITTED,
-    FREE,
     SUFFIX,
-    WRITING,
     ArenaGeometryError,
+    ArenaProtocolError,
     arena_path,
     key_digest,
     names_file,
@@ -67,6 +71,7 @@ from kv_store.arena_layout import (
     pid_namespace,
     read_fingerprint,
 )
+from kv_store.arena_slots import COMMITTED, FREE, WRITING
 from kv_store.base import (
     Counters,
     Destination,
@@ -79,8 +84,8 @@ from kv_store.base import (
 from kv_store.io_workers import BatchPool, as_payload, default_workers, preadv_all
 
 # ArenaStore, and the layout names that callers import from this module
-__all__ = ["COMMITTED", "FREE", "SUFFIX", "WRITING", "ArenaGeometryError", "ArenaStore",
-           "arena_path", "read_fingerprint"]  # fmt: skip
+__all__ = ["COMMITTED", "FREE", "SUFFIX", "WRITING", "ArenaGeometryError", "ArenaProtocolError",
+           "ArenaStore", "arena_path", "read_fingerprint"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +108,9 @@ class ArenaStore(KVStore):
         capacity_bytes: slot bytes when creating (default `default_capacity`). For an
             existing arena: None takes its size; a value giving another slot count is an error.
         workers: threads that split each batch's copies (default `default_workers()`).
+        locked_reads: create the arena with locked reads (`LockedSlots`) even where the C slot
+            protocol builds (what a machine with no C compiler gets; for tests and benchmarks).
+            An existing arena keeps its mode; see `open_arena`.
     """
 
     def __init__(
@@ -113,6 +121,7 @@ class ArenaStore(KVStore):
         payload_bytes: int | None = None,
         capacity_bytes: int | None = None,
         workers: int | None = None,
+        locked_reads: bool = False,
     ) -> None:
         self.fingerprint = fingerprint
         self.path = Path(path)
@@ -131,9 +140,15 @@ class ArenaStore(KVStore):
             min_slice_bytes=_MIN_SLICE_BYTES,
         )
         self._last_reclaim = 0
+        # reads the generation rejected (a slot changed under the copy), and reads it passed and
+        # the checksum rejected (corruption, a zombie writer: never a tear with either protocol)
+        self.generation_misses = 0
+        self.checksum_catches = 0
         self._fd, self.geometry, self._map = open_arena(
-            self.path, fingerprint, payload_bytes, capacity_bytes
+            self.path, fingerprint, payload_bytes, capacity_bytes, locked_reads=locked_reads
         )
+        self._slot_protocol = self._map.slots
+        self._read_guard = self._locked if self._slot_protocol.locked_reads else self._unlocked
         # hot-path copies of the geometry (properties recompute)
         self._data = self.geometry.data_offset
         self._slot_size, self._slots = self.geometry.slot_size, self.geometry.slot_count
@@ -169,6 +184,16 @@ class ArenaStore(KVStore):
                 yield
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        self._check_owner()
+        yield
+
+    @property
+    def locked_reads(self) -> bool:
+        """Whether reads take the arena lock (`LockedSlots`) rather than run lock-free."""
+        return self._slot_protocol.locked_reads
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -231,7 +256,7 @@ class ArenaStore(KVStore):
             slot = self._map.committed(d0, d1)
             if slot >= 0:  # overwrite in place: readers miss the key until the publish
                 self._map.table_remove(d0, d1, slot)
-                out.append((slot, self._map.begin_write(slot, d0, d1, self._owner, now)))
+                out.append((slot, self._slot_protocol.begin_write(slot, d0, d1, self._owner, now)))
             else:
                 out.append((-1, 0))
                 fresh.append(j)
@@ -243,24 +268,16 @@ class ArenaStore(KVStore):
         """Advance the CLOCK hand, claiming a slot per digest: FREE slots, and COMMITTED ones
         whose reference bit is clear (evicted); every other slot passed loses its bit. Returns
         (slot, generation) per digest claimed, fewer when every slot is being written."""
-        n, mv = self._slots, self._map.mv
-        state, ref = self._map.np["state"], self._map.np["ref"]
+        n, mv, slots = self._slots, self._map.mv, self._slot_protocol
         hand, scanned = self._map.counters[_HAND] % n, 0
         out: list[tuple[int, int]] = []
         while len(out) < len(digests) and scanned < 2 * n:
-            hi = min(hand + _WINDOW, n)
-            window = state[hand:hi]
-            usable = (window == FREE) | ((window == COMMITTED) & (ref[hand:hi] == 0))
-            found = np.flatnonzero(usable)[: len(digests) - len(out)].tolist()
-            end = hand + found[-1] + 1 if len(out) + len(found) == len(digests) else hi
-            ref[hand:end] = 0
-            for slot in (hand + i for i in found):
+            found, end = slots.clock_scan(hand, min(hand + _WINDOW, n), len(digests) - len(out))
+            for slot in found:
                 if mv["state"][slot] == COMMITTED:
                     self._map.table_remove(mv["key0"][slot], mv["key1"][slot], slot)
                     self._map.counters[_EVICTIONS] += 1
-                out.append(
-                    (slot, self._map.begin_write(slot, *digests[len(out)], self._owner, now))
-                )
+                out.append((slot, slots.begin_write(slot, *digests[len(out)], self._owner, now)))
             scanned += end - hand
             hand = end % n
         self._map.counters[_HAND] = hand
@@ -277,10 +294,10 @@ class ArenaStore(KVStore):
                 out[digest] = False
                 continue
             if xxh is None:
-                self._map.free(slot)
+                self._slot_protocol.free(slot)
                 out[digest] = False
                 continue
-            self._map.commit(slot, gen, xxh)
+            self._slot_protocol.commit(slot, gen, xxh)
             displaced = self._map.table_put(*digest, slot)
             if displaced < 0 and self._map.counters[_TABLE_USED] * 4 > self._table_size * 3:
                 self._map.rebuild_table()  # tombstones would choke the probes: drop them
@@ -296,7 +313,7 @@ class ArenaStore(KVStore):
         for slot in np.flatnonzero(self._map.np["state"] == WRITING).tolist():
             age_s = (now - mv["stamp"][slot]) / 1e9
             if age_s > STALE_WRITE_S or not owner_alive(mv["owner"][slot], self._namespace):
-                self._map.free(slot)
+                self._slot_protocol.free(slot)
                 freed += 1
         return freed
 
@@ -319,11 +336,12 @@ class ArenaStore(KVStore):
         check_lengths(keys, num_tokens, out)
         self._check_owner()
         dsts = [entry.chunk_views(o) for o in out]
-        found = self._pool.map(
-            lambda i: self._read_slot(keys[i], num_tokens[i], dsts[i]),
-            len(keys),
-            len(keys) * self.payload_bytes,
-        )
+        with self._read_guard():
+            found = self._pool.map(
+                lambda i: self._read_slot(keys[i], num_tokens[i], dsts[i]),
+                len(keys),
+                len(keys) * self.payload_bytes,
+            )
         self._count_reads(sum(found), len(keys))
         return found
 
@@ -335,21 +353,34 @@ class ArenaStore(KVStore):
         slot = self._map.find(d0, d1)
         if slot < 0:
             return False
-        mv = self._map.mv
-        gen = self._map.read_begin(slot, d0, d1)
+        gen = self._slot_protocol.read_begin(slot, d0, d1)
         if gen < 0:
             return False
-        xxh = mv["xxh"][slot]
+        xxh = self._map.mv["xxh"][slot]
         header = self._copy_out(slot, dst)
-        if header is None or mv["gen"][slot] != gen:  # claimed, evicted, reclaimed meanwhile
+        if header is None:
+            return False
+        if not self._slot_protocol.read_end(slot, gen):  # claimed, evicted, reclaimed meanwhile
+            with self._pending_lock:
+                self.generation_misses += 1
             return False
         parsed = entry.parse_header(header)
-        if parsed is None or parsed.payload_xxh3 != xxh:
+        if (
+            parsed is None
+            or parsed.payload_xxh3 != xxh
+            or not entry.verify(header, as_payload(dst), self._fp_digest, num_tokens)
+        ):
+            self._checksum_caught(slot)
             return False
-        if not entry.verify(header, as_payload(dst), self._fp_digest, num_tokens):
-            return False
-        mv["ref"][slot] = 1
         return True
+
+    def _checksum_caught(self, slot: int) -> None:
+        with self._pending_lock:
+            self.checksum_catches += 1
+        self._warn.warn(
+            "arena %s: slot %d passed its generation check and failed its checksum (corruption,"
+            " or a writer that outlived its claim): a miss", self.path, slot,
+        )  # fmt: skip
 
     def _copy_out(self, slot: int, dst: list[memoryview]) -> bytes | bytearray | None:
         """Copy a slot's payload into `dst`; returns the slot's header (None on an I/O error).
@@ -407,9 +438,10 @@ class ArenaStore(KVStore):
             self._tlock.release()
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """Lock-free table lookups; a slot being rewritten counts as absent."""
-        self._check_owner()
-        return [self._map.committed(*self.key_digest(key)) >= 0 for key in keys]
+        """Table lookups (lock-free unless `locked_reads`); a slot being rewritten counts as
+        absent."""
+        with self._read_guard():
+            return [self._map.committed(*self.key_digest(key)) >= 0 for key in keys]
 
     # -- maintenance ----------------------------------------------------------------------------
 
@@ -421,7 +453,7 @@ class ArenaStore(KVStore):
                 slot = self._map.committed(d0, d1)
                 if slot >= 0:
                     self._map.table_remove(d0, d1, slot)
-                    self._map.free(slot)
+                    self._slot_protocol.free(slot)
                     deleted += 1
         return deleted
 
@@ -443,7 +475,8 @@ class ArenaStore(KVStore):
 
     def slot_of(self, key: str) -> int:
         """The committed slot of `key`, -1 if none (for tests and debugging)."""
-        return self._map.committed(*self.key_digest(key))
+        with self._read_guard():
+            return self._map.committed(*self.key_digest(key))
 
     def close(self) -> None:
         """Idempotent. In a forked child, only forgets the inherited handles."""
