@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -137,35 +138,68 @@ def compile_only(target: GPUTarget) -> Iterator[CompileLog]:
 
 
 class Resources(NamedTuple):
-    """Per-thread registers, per-block shared memory, and local memory (spills) of a cubin."""
+    """Per-thread registers, per-block shared memory, per-thread stack, and the registers
+    spilled to local memory (bytes stored and loaded back per thread; 0 and 0: no spill)."""
 
     registers: int
     shared_bytes: int  # static (from the cubin) + dynamic (what Triton launches with)
     stack_bytes: int
-    local_bytes: int  # spilled registers and local arrays: 0 means nothing left the registers
+    spill_stores: int
+    spill_loads: int
 
 
-def _cuobjdump() -> Path:
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+def _nvidia_tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def resources(variant: Variant) -> Resources:
-    """Resource usage of a compiled variant, read by ``cuobjdump --dump-resource-usage`` (the
-    one shipped in Triton's wheel, beside its ptxas)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(variant.compiled.asm["cubin"])
-        cubin.flush()
+def _cuobjdump_usage(cubin: bytes) -> dict[str, str]:
+    """``REG``, ``SHARED``, ``STACK``, ``LOCAL``… of the cubin's kernel, by
+    ``cuobjdump --dump-resource-usage`` (the one shipped in Triton's wheel)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
         text = subprocess.run(
-            [str(_cuobjdump()), "--dump-resource-usage", cubin.name],
+            [_nvidia_tool("cuobjdump"), "--dump-resource-usage", file.name],
             check=True,
             capture_output=True,
             text=True,
         ).stdout
     line = next(line for line in text.splitlines() if "REG:" in line)
-    fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
+    return dict(item.split(":", 1) for item in line.split() if ":" in item)
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton assembles for ``arch`` with (3.9 ships a newer one for sm_90 and up)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:  # Triton before 3.8: one ptxas
+        return _nvidia_tool("ptxas")
+    return str(get_ptxas(arch).path)
+
+
+def _ptxas_spills(variant: Variant) -> tuple[int, int]:
+    """(spill stores, spill loads) in bytes: the PTX assembled again by ptxas with the flags
+    Triton gave it (its ``-v`` report is not kept with the cubin)."""
+    meta = variant.compiled.metadata
+    arch = f"sm_{meta.target.arch}{'a' if meta.target.arch >= 90 else ''}"
+    fmad = [] if meta.enable_fp_fusion else ["--fmad=false"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(variant.compiled.asm["ptx"])
+        command = [_ptxas(meta.target.arch), "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2"]
+        command += [f"--gpu-name={arch}", str(ptx), "-o", str(Path(tmp) / "kernel.cubin")]
+        log = subprocess.run(command, check=True, capture_output=True, text=True).stderr
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert found is not None, log
+    return int(found.group(1)), int(found.group(2))
+
+
+def resources(variant: Variant) -> Resources:
+    """Resource usage of a compiled variant: its cubin read by cuobjdump, its spills by ptxas."""
+    usage = _cuobjdump_usage(variant.compiled.asm["cubin"])
     return Resources(
-        registers=int(fields["REG"]),
-        shared_bytes=int(fields["SHARED"]) + int(variant.compiled.metadata.shared),
-        stack_bytes=int(fields["STACK"]),
-        local_bytes=int(fields["LOCAL"]),
+        int(usage["REG"]),
+        int(usage["SHARED"]) + int(variant.compiled.metadata.shared),
+        int(usage["STACK"]),
+        *_ptxas_spills(variant),
     )
