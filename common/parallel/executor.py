@@ -22,13 +22,24 @@ collects come between its forward and its LM head; ``_SAVED`` ends them.
 
 TP steps run eagerly (no CUDA graphs are captured). Overlapped scheduling works: a step's
 input ids that come from the previous step's samples (still on rank 0's device) are broadcast
-on the device group after the inputs. A worker that dies fails the next step (its
-exit is checked before each broadcast) or the collective it was in (gloo sees the closed
-connection), with ``TensorParallelError``: never a hang.
+on the device group after the inputs.
+
+A failed rank fails the engine with ``TensorParallelError``, never a hang, on gloo and on NCCL:
+rank 0's ``RankMonitor`` (``common/parallel/monitor.py``) waits on the workers' sentinels and
+on the deadline of the group call in progress (``STEP_TIMEOUT_S``). At a worker's exit, or a
+step past its deadline (a stuck rank), it aborts the communicators (NCCL's kernels spinning on
+a dead peer return; gloo already fails on the closed sockets) and kills the other workers (a
+gloo wait on a stuck peer ends). The engine thread's collective then fails, or the tokens it
+reads next are refused (``_CheckedResult``: an aborted NCCL collective leaves noise in its
+buffers), and it raises with the monitor's reason. Workers die with rank 0
+(``common/parent_death.py``). ``close()`` stops the monitor first (the exits that follow are
+asked for), sends ``_STOP``, joins the workers and destroys the process groups, so another
+group can form in this process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -42,7 +53,7 @@ import torch.distributed as dist
 
 from common.config import CacheConfig, RunnerConfig
 from common.memory_profile import KVReserve
-from common.model_runner import ModelRunner
+from common.model_runner import ModelRunner, StepResult
 from common.parallel.block_exchange import collect, land
 from common.parallel.group import (
     TensorParallel,
@@ -50,9 +61,10 @@ from common.parallel.group import (
     init_tensor_parallel,
     rendezvous_store,
 )
+from common.parallel.monitor import RankMonitor
 from common.parent_death import die_with
 from common.prompt_logprobs import prompt_rows
-from common.scheduler import SchedulerOutput
+from common.scheduler import SampledToken, SchedulerOutput
 from common.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -66,6 +78,7 @@ _STEP, _STOP, _LAND, _COLLECT, _SAVED = 0, 1, 2, 3, 4
 # scheduling: rank 0 then broadcasts its input ids on the device group, no host sync)
 _HEADER = 10
 TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
+STEP_TIMEOUT_S = TIMEOUT_S  # the longest a step (or a KV exchange) may wait on the group
 
 
 class TensorParallelError(RuntimeError):
@@ -108,39 +121,43 @@ def _rank_device(name: str, rank: int) -> str:
 class ParallelModelRunner(ModelRunner):
     """Rank 0's runner: the single-device runner plus the step broadcast and the workers."""
 
-    def __init__(self, *args: Any, workers: list[Any], **kwargs: Any) -> None:
-        self.workers = workers
+    def __init__(self, *args: Any, workers: list[Any], monitor: RankMonitor, **kwargs: Any) -> None:
+        self.workers, self.monitor = workers, monitor
         self._closed = False
         self._saving = False  # this step's forward is followed by the connector's saves
         super().__init__(*args, **kwargs)
         assert self.tp is not None
         self.rank_weight_bytes = _gather_weight_bytes(self, self.tp)
 
-    def execute(self, out: SchedulerOutput):
+    def execute(self, out: SchedulerOutput) -> StepResult | None:
         self._check_workers()
         try:
-            return super().execute(out)
+            with self.monitor.step():
+                result = super().execute(out)
         except RuntimeError as e:  # a collective failed: most likely a rank is gone
             self._failed(e)
+        return None if result is None else _CheckedResult(result, self)
 
     def _failed(self, error: RuntimeError) -> NoReturn:
-        for proc in self.workers:  # give a killed rank a moment to be reaped and named
-            proc.join(timeout=2)
-        self._check_workers()
-        raise TensorParallelError(f"tensor-parallel step failed: {error}") from error
+        if isinstance(error, TensorParallelError):
+            raise error
+        reason = self.monitor.wait_failed(timeout_s=2)  # a dead rank: named by the monitor
+        raise TensorParallelError(f"tensor-parallel step failed: {reason or error}") from error
 
     # -- the store connector's block exchange (``BlockExchange``) ------------------------------
     def land_blocks(self, block_ids: list[int], full: torch.Tensor) -> None:
         try:
-            ids = self._announce(_LAND, block_ids)
-            land(self._group, self.kv_cache, ids, self.store_spec.num_kv_heads, full)
+            with self.monitor.step():
+                ids = self._announce(_LAND, block_ids)
+                land(self._group, self.kv_cache, ids, self.store_spec.num_kv_heads, full)
         except RuntimeError as e:
             self._failed(e)
 
     def collect_blocks(self, block_ids: list[int]) -> torch.Tensor:
         try:
-            ids = self._announce(_COLLECT, block_ids)
-            full = collect(self._group, self.kv_cache, ids, self.store_spec.num_kv_heads)
+            with self.monitor.step():
+                ids = self._announce(_COLLECT, block_ids)
+                full = collect(self._group, self.kv_cache, ids, self.store_spec.num_kv_heads)
         except RuntimeError as e:
             self._failed(e)
         assert full is not None
@@ -212,6 +229,9 @@ class ParallelModelRunner(ModelRunner):
             dist.broadcast(inputs.input_ids, 0, group=self.tp.device_group)
 
     def _check_workers(self) -> None:
+        """Raise if the group failed (the monitor's verdict) or a worker has exited."""
+        if self.monitor.failure is not None:
+            raise TensorParallelError(self.monitor.failure)
         for rank, proc in enumerate(self.workers, start=1):
             if proc.exitcode is not None:
                 raise TensorParallelError(
@@ -223,11 +243,13 @@ class ParallelModelRunner(ModelRunner):
         return [p.pid for p in self.workers]
 
     def close(self) -> None:
+        """Stop the workers and destroy the process groups. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self.monitor.stop()  # the workers' exits from here on are asked for
         assert self.tp is not None
-        alive = all(p.exitcode is None for p in self.workers)
+        alive = self.monitor.failure is None and all(p.exitcode is None for p in self.workers)
         if alive:
             try:
                 stop = torch.zeros(_HEADER, dtype=torch.int64)
@@ -241,6 +263,44 @@ class ParallelModelRunner(ModelRunner):
                 proc.kill()
                 proc.join()
         destroy_tensor_parallel()
+
+
+class _CheckedResult(StepResult):
+    """A TP step's tokens, refused when the group failed before they were read: an aborted
+    NCCL collective returns with whatever its buffers held, and tokens sampled from that are
+    noise. The wait for them counts as group time (the monitor's step deadline)."""
+
+    def __init__(self, result: StepResult, runner: ParallelModelRunner) -> None:
+        vars(self).update(vars(result))  # the same step's state; this adds the check
+        self._runner = runner
+
+    def tokens(self) -> dict[str, SampledToken]:
+        with self._runner.monitor.step():
+            tokens = super().tokens()
+        self._runner._check_workers()
+        return tokens
+
+    def verified_tokens(self) -> dict[str, list[SampledToken]]:
+        with self._runner.monitor.step():
+            tokens = super().verified_tokens()
+        self._runner._check_workers()
+        return tokens
+
+
+def _abort_group(tp: TensorParallel, workers: list[Any], reason: str) -> None:
+    """The monitor's answer to a failed rank: abort this rank's communicators (a NCCL kernel
+    waiting for a dead peer returns; gloo's abort does not interrupt a wait), then kill the
+    other workers (their closed sockets end any gloo wait; they could not go on anyway)."""
+    logger.error("%s: aborting the tensor-parallel group", reason)
+    groups = [tp.device_group] + (
+        [tp.control_group] if tp.control_group is not tp.device_group else []
+    )
+    for group in groups:
+        with contextlib.suppress(RuntimeError):
+            group.abort()
+    for proc in workers:
+        if proc.exitcode is None:
+            proc.kill()
 
 
 def start_tensor_parallel(
@@ -275,6 +335,7 @@ def start_tensor_parallel(
     ]
     for proc in workers:
         proc.start()
+    monitor: RankMonitor | None = None
     try:
         device = torch.device(_rank_device(config.device, 0))
         if device.type == "cpu":
@@ -283,6 +344,9 @@ def start_tensor_parallel(
             torch.cuda.set_device(device)  # NCCL binds each rank to its current device
         _wait_for_workers(store, workers)
         tp = init_tensor_parallel(0, size, store, device, TIMEOUT_S)
+        monitor = RankMonitor(
+            workers, lambda reason: _abort_group(tp, workers, reason), STEP_TIMEOUT_S
+        )
         return ParallelModelRunner(
             model_dir,
             hf_config,
@@ -292,8 +356,11 @@ def start_tensor_parallel(
             tp=tp,
             reserve=reserve,
             workers=workers,
+            monitor=monitor,
         )
     except BaseException:
+        if monitor is not None:
+            monitor.stop()
         for proc in workers:
             proc.kill()
             proc.join()
