@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # One image for every pdserve role: `pdserve router|prefill|decode|up|bench ...` (compose.yaml).
 #
 #   docker build -t pdserve .                                     # CPU torch (the default)
@@ -7,10 +6,17 @@
 # TORCH_VARIANT names a wheel index under https://download.pytorch.org/whl/ (cpu, cu126, cu128,
 # ...). Torch goes in first, from that index, so `pip install .` finds it satisfied and never
 # pulls a different build.
-FROM python:3.11-slim
+#
+# With no registry (deploy/offline_images.sh does this): PYTHON_IMAGE names a local base image
+# with `python`, `pip`, gcc and libc6-dev, and WHEELHOUSE=1 installs every Python package from
+# deploy/wheelhouse/ in the build context (pip --no-index), so the build touches no network.
+# No `# syntax=` line: it would make BuildKit pull a frontend image.
+ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cpu
+ARG WHEELHOUSE=0
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -19,10 +25,20 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # A C compiler at run time: on CPUs for the native decode-attention kernel (built on first use
 # for the host's instruction set, kernels/cpu_attention.py), on GPUs for Triton's launchers.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
+# An offline base has it already.
+RUN if ! command -v gcc >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 
-RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
+# Only its README in a registry build (a few bytes, read only with WHEELHOUSE=1).
+COPY deploy/wheelhouse /tmp/wheelhouse/
+RUN if [ "$WHEELHOUSE" = 1 ]; then \
+        PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheelhouse pip install "torch==${TORCH_VERSION}"; \
+    else \
+        pip install "torch==${TORCH_VERSION}" \
+            --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"; \
+    fi
 
 WORKDIR /opt/pdserve
 COPY pyproject.toml README.md pdserve_cli.py ./
@@ -37,8 +53,12 @@ COPY router router
 COPY launcher launcher
 COPY bench bench
 COPY benchmarks benchmarks
-RUN pip install . \
-    && python -c "import pdserve_cli, common, router, launcher, bench, node_frontend, pdserve_proto"
+# A CPU image never carries CUDA torch (a wheelhouse or a resolver could bring it).
+RUN if [ "$WHEELHOUSE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheelhouse; fi \
+    && pip install . && rm -rf /tmp/wheelhouse \
+    && python -c "import pdserve_cli, common, router, launcher, bench, node_frontend, pdserve_proto" \
+    && python -c "import sys, torch; assert sys.argv[1] != 'cpu' or torch.version.cuda is None, \
+        'CUDA torch ' + torch.__version__ + ' in a CPU image'" "${TORCH_VARIANT}"
 
 # The source tree is the import root, as in development (`python -m launcher.health_check` works).
 ENV PYTHONPATH=/opt/pdserve:/opt/pdserve/proto \

@@ -124,3 +124,21 @@ def test_dockerfile_cpu_by_default_cuda_by_build_arg() -> None:
     packages = ("common", "kernels", "kv_store", "node_frontend", "prefill_node", "decode_node")
     for package in (*packages, "router", "launcher", "bench", "proto"):
         assert f"COPY {package} {package}" in text
+
+
+def test_base_images_are_arguments_that_default_to_the_registry_ones(
+    compose: dict[str, Any],
+) -> None:
+    """A user with a registry gets python:3.11-slim and redis:7-alpine; deploy/offline_images.sh
+    passes its own bases and WHEELHOUSE=1 (deploy/compose_test.sh runs the real thing)."""
+    text = (REPO / "Dockerfile").read_text()
+    assert not text.startswith("# syntax=")  # BuildKit would pull its frontend image
+    assert "ARG PYTHON_IMAGE=python:3.11-slim\nFROM ${PYTHON_IMAGE}\n" in text
+    assert "ARG WHEELHOUSE=0" in text and "COPY deploy/wheelhouse /tmp/wheelhouse/" in text
+    args = compose["x-image"]["build"]["args"]
+    assert args["PYTHON_IMAGE"] == "${PDSERVE_PYTHON_IMAGE:-python:3.11-slim}"
+    assert args["WHEELHOUSE"] == "${PDSERVE_WHEELHOUSE:-0}"
+    redis = compose["services"]["redis"]
+    assert redis["image"] == "${PDSERVE_REDIS_IMAGE:-redis:7-alpine}"
+    command = redis["command"]
+    assert command[command.index("--protected-mode") + 1] == "no"  # any Redis build, not loopback
