@@ -60,5 +60,5 @@ def test_no_compilation_after_warm_up(case: dict, tmp_path: Path) -> None:
     of 1..16 sequences over contexts of 1..4095 tokens, graph-shaped decodes, block copies."""
     answer = run_child("workload", case, tmp_path, timeout=400)
     assert answer["restored"]
-    assert answer["warmed"] >= 14 and answer["steps"] == 21 and answer["launches"] > 150
+    assert answer["warmed"] >= 14 and answer["steps"] == 21 and answer["launches"] > 100
     assert answer["new"] == [], "compiled after warm-up, i.e. mid-serving"
