@@ -40,7 +40,7 @@ from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams
 from common.scheduler import EngineCoreOutput, EngineStats, Scheduler, SchedulerOutput
 from common.spec_decode import make_proposer
-from common.step_faults import StepFaults
+from common.step_faults import EngineFailure, StepFaults
 from common.structured_prepare import PreparedStructuredOutputs
 
 if TYPE_CHECKING:
@@ -313,6 +313,8 @@ class EngineCore:
         self._scheduled = None
         try:
             self._step(outputs)
+        except EngineFailure:  # the engine itself is gone (a TP rank): nobody to blame
+            raise
         except Exception as error:
             if self._scheduled is not None:
                 suspects = [*suspects, *self._scheduled.scheduled]

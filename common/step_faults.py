@@ -24,6 +24,11 @@ from typing import NamedTuple
 from common.request import Request
 
 
+class EngineFailure(RuntimeError):
+    """The engine itself cannot go on (a tensor-parallel rank died, a collective failed): no
+    request is to blame, so a step raising it is not contained; the error ends the engine."""
+
+
 class Verdict(NamedTuple):
     """After a failed step: the requests that failed and those rolled back and held."""
 

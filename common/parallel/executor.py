@@ -65,6 +65,7 @@ from common.parallel.monitor import RankMonitor
 from common.parent_death import die_with
 from common.prompt_logprobs import prompt_rows
 from common.scheduler import SampledToken, SchedulerOutput
+from common.step_faults import EngineFailure
 from common.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
 STEP_TIMEOUT_S = TIMEOUT_S  # the longest a step (or a KV exchange) may wait on the group
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(EngineFailure):
     """A tensor-parallel rank died or a collective failed: the engine cannot go on."""
 
 

@@ -31,15 +31,6 @@ ENGINE_ARGS = dict(num_blocks=64, block_size=8, cpu_threads=1, max_model_len=256
 PROMPTS = [[1, 5, 9, 33, 2, 7], list(range(100, 140))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-# Since the step containment (common/step_faults.py), EngineCore.step takes a
-# TensorParallelError for one request's fault: it fails the requests one by one and goes on
-# with a dead group, and generate raises their RuntimeError. A group failure is no request's
-# fault: step() must re-raise TensorParallelError. Strict: passing again fails, remove it then.
-CONTAINED_BY_STEP = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="EngineCore.step contains TensorParallelError as a request fault (issue 23)",
-)
 
 
 def _children() -> set[int]:
@@ -168,7 +159,6 @@ def _spy_aborts(monkeypatch) -> list[str]:
 
 
 @pytest.mark.slow
-@CONTAINED_BY_STEP
 def test_killed_worker_fails_the_step_within_seconds(monkeypatch):
     sent = _fail_at_step(monkeypatch, 6, signal.SIGKILL)
     aborts = _spy_aborts(monkeypatch)
@@ -189,7 +179,6 @@ def test_killed_worker_fails_the_step_within_seconds(monkeypatch):
 
 
 @pytest.mark.slow
-@CONTAINED_BY_STEP
 def test_stuck_worker_fails_at_the_step_deadline(monkeypatch):
     """A stopped rank keeps its sockets open: gloo waits for it as NCCL waits for a dead peer.
     Only the monitor ends that wait (its deadline; an exit for NCCL): it aborts the group and
