@@ -40,6 +40,13 @@ RUN if [ "$WHEELHOUSE" = 1 ]; then \
             --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"; \
     fi
 
+# The other dependencies in a layer of their own: a change of the code reinstalls none of them.
+COPY pyproject.toml /tmp/pyproject.toml
+RUN if [ "$WHEELHOUSE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheelhouse; fi \
+    && python -c "import tomllib; print(*tomllib.load(open('/tmp/pyproject.toml', 'rb')) \
+        ['project']['dependencies'], sep='\n')" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt && rm /tmp/pyproject.toml /tmp/requirements.txt
+
 WORKDIR /opt/pdserve
 COPY pyproject.toml README.md pdserve_cli.py ./
 COPY proto proto
