@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
 from benchmarks.chaos import MAX_TOKENS, PROMPTS
-from tests.deploy.compose_project import ComposeProject, docker
+from tests.deploy.compose_project import FILES, REPO, ComposeProject, docker
 from tests.deploy.load import Load, Tally
 
 pytestmark = [
@@ -237,3 +238,62 @@ def test_a_crash_under_16_streams_loses_and_changes_nothing(
     tally = load.tally(killed)
     ROWS.append((f"crash of {service}", replicas, tally, recovered - killed))
     assert tally.requests > 0 and tally.bad == 0, (why, tally)
+
+
+# -- the router's compose actuator ----------------------------------------------------------------
+
+
+def compose_plugin() -> str:
+    """The host's ``docker-compose`` CLI plugin (the one ``docker compose`` runs)."""
+    candidates = [Path.home() / ".docker/cli-plugins/docker-compose"] + [
+        Path(root) / "docker/cli-plugins/docker-compose"
+        for root in ("/usr/local/lib", "/usr/local/libexec", "/usr/lib", "/usr/libexec")
+    ]
+    return str(next(p for p in candidates if p.exists()))
+
+
+def autoscaling(project: ComposeProject, env_file: Path) -> ComposeProject:
+    """The same project with tests/deploy/compose.autoscale.yaml: its router scales decode."""
+    extra = "tests/deploy/compose.autoscale.yaml"
+    files = ":".join(str(REPO / name) for name in (*FILES, extra))
+    names = ("PDSERVE_IMAGE", "PDSERVE_REDIS_IMAGE", "PDSERVE_MODEL", "PDSERVE_MODELS_DIR",
+             "PDSERVE_BIND", "PDSERVE_HTTP_PORT", "PDSERVE_GRPC_PORT")  # fmt: skip
+    variables = {name: project.env[name] for name in names} | {
+        "COMPOSE_FILE": files, "COMPOSE_PROJECT_NAME": project.name,
+        "COMPOSE_ENV_FILES": str(env_file), "COMPOSE_PROJECT_DIR": str(REPO),
+        "DOCKER_CLI": os.path.realpath(shutil.which("docker") or "docker"),
+        "DOCKER_COMPOSE_PLUGIN": compose_plugin(),
+    }  # fmt: skip
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in variables.items()))
+    return ComposeProject(project.name, {**project.env, **variables}, (extra,),
+                          project.http_port, project.grpc_port)  # fmt: skip
+
+
+def wait_decode(project: ComposeProject, decode: int, timeout_s: float) -> float:
+    return project.wait_instances(prefill=1, decode=decode, timeout_s=timeout_s)
+
+
+def test_the_routers_compose_actuator_scales_decode_with_load(
+    project: ComposeProject, expected: list[str], tmp_path: Path
+) -> None:
+    """Last (its router replaces the project's): ``--autoscale --actuator compose`` with decode
+    in [1, 2] and nodes of 2 sequences. 16 streams take decode from 1 to 2 (the router runs
+    ``docker compose up --scale decode=2`` in its container); idle takes it back to 1."""
+    auto = autoscaling(project, tmp_path / "compose.env")
+    auto.up("--scale", "decode=1")
+    wait_decode(auto, 1, timeout_s=READY_S)
+    with Load(auto.base_url, expected, streams=16) as load:
+        start = time.monotonic()
+        wait_decode(auto, 2, timeout_s=300)
+        grown = time.monotonic()
+        ROWS.append(("actuator: load", "1 → 2 decode", load.tally(start, grown), grown - start))
+        load.wait_requests(16)
+    idle = time.monotonic()
+    wait_decode(auto, 1, timeout_s=180)
+    ROWS.append(("actuator: idle", "2 → 1 decode", None, time.monotonic() - idle))
+    deadline = time.monotonic() + 120  # the stopped replica deregistered at once; it exits next
+    while len(auto.containers("decode")) != 1:
+        assert time.monotonic() < deadline, f"decode containers: {auto.containers('decode')}"
+        time.sleep(1)
+    tally = load.tally()
+    assert tally.requests > 0 and tally.bad == 0, tally
