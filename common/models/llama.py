@@ -39,7 +39,6 @@ from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdser
 _ops = torch.ops.pdserve
 
 
-
 @dataclass(frozen=True)
 class LlamaArgs:
     """The parts of an HF ``config.json`` this model reads."""
