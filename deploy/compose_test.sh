@@ -88,6 +88,7 @@ ensure_compose() {
 images() {
   if [ "${PDSERVE_COMPOSE_REGISTRY:-0}" = 1 ]; then
     docker build --quiet --tag pdserve:compose-test --build-arg TORCH_VARIANT=cpu . >/dev/null
+    docker pull --quiet redis:7-alpine >/dev/null  # the project starts with --pull never
     printf 'PDSERVE_IMAGE=pdserve:compose-test\nPDSERVE_REDIS_IMAGE=redis:7-alpine\n'
   else
     command -v mmdebstrap >/dev/null ||

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # pdserve's CPU image and a Redis image with no registry at all, from Debian's packages and PyPI:
 #
-#   1. two base images, each a Debian root filesystem (mmdebstrap) made an image (docker import):
-#      python (python3, pip, gcc) and redis (Debian's redis-server);
+#   1. one base image, a Debian root filesystem (mmdebstrap) made an image (docker import), with
+#      python3, pip and gcc for pdserve and Debian's redis-server for the Redis container (one
+#      debootstrap instead of two: the slowest step of a cold run);
 #   2. a wheelhouse on this host (pip download: the project's dependencies, torch's CPU build);
 #   3. pdserve's image: the Dockerfile on the python base, PYTHON_IMAGE=<base> WHEELHOUSE=1, its
 #      build context the working tree (as .dockerignore filters it) plus the wheels.
@@ -11,8 +12,8 @@
 # second run on the same machine builds nothing; older tags of the same images are removed.
 # Prints the tags for compose.yaml, one `NAME=value` a line:
 #
-#   PDSERVE_IMAGE=pdserve-offline:...  PDSERVE_REDIS_IMAGE=pdserve-redis:...
-#   PDSERVE_PYTHON_IMAGE=pdserve-python:...
+#   PDSERVE_IMAGE=pdserve-offline:...  PDSERVE_REDIS_IMAGE=pdserve-debian:...
+#   PDSERVE_PYTHON_IMAGE=pdserve-debian:...
 #
 # Needs root (mmdebstrap), a Docker engine, apt reaching a Debian mirror and pip reaching PyPI.
 # pip must find torch's CPU build: here a local file (pip config's find-links); elsewhere set
@@ -24,9 +25,8 @@ CACHE=${PDSERVE_COMPOSE_CACHE:-/var/cache/pdserve-compose}
 SUITE=${PDSERVE_DEBIAN_SUITE:-bookworm}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
-# What each base holds; part of its tag, so a change here builds a new one.
-PYTHON_PACKAGES=python3,python3-pip,python-is-python3,gcc,libc6-dev,ca-certificates
-REDIS_PACKAGES="redis-server"
+# What the base holds; part of its tag, so a change here builds a new one.
+BASE_PACKAGES=python3,python3-pip,python-is-python3,gcc,libc6-dev,ca-certificates,redis-server
 # The images' Python (bookworm's 3.11, glibc 2.36) decides which wheels fit, not the host's;
 # pip takes each manylinux tag it may use literally.
 WHEEL_TARGET=(--python-version 3.11 --implementation cp --abi cp311 --abi abi3 --abi none
@@ -128,13 +128,15 @@ pdserve_image() {
 
 main() {
   mkdir -p "$CACHE"
-  local python redis wheels pdserve
-  python=$(debian_image pdserve-python "$PYTHON_PACKAGES")
-  redis=$(debian_image pdserve-redis "$REDIS_PACKAGES")
+  local base wheels pdserve
+  base=$(debian_image pdserve-debian "$BASE_PACKAGES")
+  log "base $base after ${SECONDS} s"
   wheels=$(wheelhouse)
-  pdserve=$(pdserve_image "$python" "$wheels")
+  log "wheelhouse after ${SECONDS} s"
+  pdserve=$(pdserve_image "$base" "$wheels")
+  log "pdserve image after ${SECONDS} s"
   printf 'PDSERVE_IMAGE=%s\nPDSERVE_REDIS_IMAGE=%s\nPDSERVE_PYTHON_IMAGE=%s\n' \
-    "$pdserve" "$redis" "$python"
+    "$pdserve" "$base" "$base"
 }
 
 main "$@"
