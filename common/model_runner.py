@@ -166,6 +166,10 @@ class ModelRunner:
         self.reserve = reserve
         self.device = resolve_device(config.device)
         bind_device(self.device)
+        if self.device.type == "cuda":  # before the first compile (the memory profile's)
+            from common.cache_dir import use_triton_cache_dir
+
+            use_triton_cache_dir()
         if self.device.type == "cpu":
             keep_freed_host_memory()  # process-wide; see common/host_memory.py
         self.dtype = resolve_dtype(config.dtype, hf_config)
@@ -231,10 +235,8 @@ class ModelRunner:
         """Compile every Triton variant this runner can launch now, not in the steps that first
         meet them (``kernels/warmup.py``), into the persistent Triton cache (a restart loads
         them): this rank's heads and MLP share, the step limits, the real cache."""
-        from common.cache_dir import use_triton_cache_dir
         from kernels.warmup import ModelShape, warm_up
 
-        use_triton_cache_dir()
         a, share = self.model.args, self.tp.size if self.tp is not None else 1
         heads, kv_heads = a.num_heads // share, self.model.num_local_kv_heads
         inter = a.intermediate_size // share
