@@ -264,7 +264,11 @@ async def _serve_chat(core: RouterCore, request: Request, body: ChatCompletionRe
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     core.check_text("".join(m["content"] for m in messages))
     rendered = await core.offload(
-        core.prompts.render_chat, messages, body.add_generation_prompt, body.chat_template_kwargs
+        core.prompts.render_chat,
+        messages,
+        body.add_generation_prompt,
+        body.chat_template_kwargs,
+        body.continue_final_message,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompt_ids = await core.offload(core.prompts.encode_chat, rendered)
@@ -279,6 +283,7 @@ async def _serve_chat(core: RouterCore, request: Request, body: ChatCompletionRe
         continuous_usage=body.continuous_usage,
         prompt_logprobs=body.prompt_logprobs is not None,
     )
+    formatter.echo = body.echo_text()
     return await _respond(core, request, [spec], formatter, body.stream, "chat")
 
 

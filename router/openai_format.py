@@ -234,12 +234,13 @@ class ChatFormatter(_Formatter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._opened: set[int] = set()
+        self.echo: str | None = None  # vLLM's chat echo: the last (assistant) message
 
     def chunk_choice(self, delta: SampleDelta) -> dict[str, Any]:
         message: dict[str, Any] = {"content": delta.text}
         if delta.index not in self._opened:
             self._opened.add(delta.index)
-            message = {"role": "assistant", **message}
+            message = {"role": "assistant", "content": (self.echo or "") + delta.text}
         return {
             "index": delta.index,
             "delta": message,
@@ -259,7 +260,7 @@ class ChatFormatter(_Formatter):
     def final_choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
         return {
             "index": index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": {"role": "assistant", "content": (self.echo or "") + choice.text},
             "logprobs": self._logprobs(choice.logprobs) if self.logprobs else None,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,

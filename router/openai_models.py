@@ -220,6 +220,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message is left open and the reply continues it (no new turn)
+    continue_final_message: bool = False
+    # vLLM's: the reply is prefixed with the last message when that one is the assistant's
+    echo: bool = False
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -229,6 +233,17 @@ class ChatCompletionRequest(_SamplingRequest):
             raise invalid_request("tools are not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid_request(
+                "continue_final_message continues the last message: it needs"
+                " add_generation_prompt: false",
+                param="continue_final_message",
+            )
+
+    def echo_text(self) -> str | None:
+        """What ``echo`` prefixes the reply with: the last message, if the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else None
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -259,7 +274,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     # vLLM extras
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "echo": (False,),  # chat (completions implement it)
     "best_of": (1,),  # chat (completions: best_of == n)
     "allowed_token_ids": (),
     "bad_words": ([],),
@@ -269,7 +283,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "return_token_ids": (False,),
     "prompt_embeds": (),
     "add_special_tokens": (),  # completions: True, chat: False (see _ADD_SPECIAL)
-    "continue_final_message": (False,),
     "documents": (),
     "chat_template": (),
     "mm_processor_kwargs": (),

@@ -79,14 +79,17 @@ class PromptProcessor:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The chat template applied to ``messages`` (a list of {"role", "content"});
         ``template_kwargs`` (the request's ``chat_template_kwargs``) are the template's
-        variables, as in vLLM (``enable_thinking``, …)."""
+        variables, as in vLLM (``enable_thinking``, …). ``continue_final_message``: the last
+        message is left open (no end of turn), so the reply continues it."""
         if not self.tokenizer.chat_template:
             raise invalid_request("this model has no chat template; use /v1/completions")
         kwargs = dict(template_kwargs or {})
-        for reserved in ("tokenize", "add_generation_prompt", "conversation", "messages"):
+        reserved_names = ("tokenize", "add_generation_prompt", "conversation", "messages")
+        for reserved in (*reserved_names, "continue_final_message"):
             if reserved in kwargs:
                 msg = f"chat_template_kwargs may not set {reserved!r}"
                 raise invalid_request(msg, param="chat_template_kwargs")
@@ -95,6 +98,7 @@ class PromptProcessor:
                 list(messages),
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 **kwargs,
             )
         except Exception as exc:  # jinja errors: the template rejected these messages

@@ -249,7 +249,6 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"logit_bias": {"5": 1.0}}),
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}),
     ("/v1/chat/completions", {"tool_choice": "auto"}),
-    ("/v1/chat/completions", {"echo": True}),
     ("/v1/chat/completions", {"continue_final_message": True}),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}),
     ("/v1/chat/completions", {"reasoning_effort": "low"}),
@@ -320,5 +319,37 @@ def test_partial_utf8_tokens_carry_their_raw_bytes() -> None:
         label = prompts.token_text(partial[0])
         raw = prompts.token_bytes(partial[0])
         assert label == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    run(test)
+
+
+def test_chat_continue_final_message_and_echo() -> None:
+    """vLLM's chat extras: the last (assistant) message left open and continued, and echoed
+    in front of the reply."""
+
+    async def test(h: Harness) -> None:
+        messages = [
+            {"role": "user", "content": "Tell me a story."},
+            {"role": "assistant", "content": "Once upon a time"},
+        ]
+        prompts = h.router.core.prompts
+        open_ended = prompts.render_chat(messages, False, None, continue_final_message=True)
+        closed = prompts.render_chat(messages, False, None)
+        assert open_ended.endswith("Once upon a time") and closed != open_ended
+        api = client(h)
+        reply = await api.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, seed=1,  # type: ignore[arg-type]
+            extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                        "echo": True},
+        )  # fmt: skip
+        content = reply.choices[0].message.content or ""
+        assert content.startswith("Once upon a time") and len(content) > len("Once upon a time")
+        seen = [r.prompt_token_ids for n in h.prefill for r in n.script.requests]  # type: ignore[attr-defined]
+        assert list(seen[-1]) == prompts.encode_chat(open_ended)
+        with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+            await api.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=3,  # type: ignore[arg-type]
+                extra_body={"continue_final_message": True},
+            )  # fmt: skip
 
     run(test)
