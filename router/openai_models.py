@@ -518,12 +518,15 @@ def _structured_specs(request: _SamplingRequest) -> dict[str, dict[str, Any]]:
         spec: dict[str, Any] = {k: v for k, v in fields.items() if v is not None}
         if so.json_object:
             spec["json_object"] = True
-        spec["disable_any_whitespace"] = so.disable_any_whitespace
-        specs["structured_outputs"] = spec
+        if spec:  # a spec of its own; else only options for the others' (vLLM's use)
+            specs["structured_outputs"] = spec
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(request, f"guided_{kind}")
         if value is not None:
             specs[f"guided_{kind}"] = {kind: value}
+    if so is not None and so.disable_any_whitespace:  # with response_format too
+        for spec in specs.values():
+            spec["disable_any_whitespace"] = True
     return specs
 
 

@@ -204,3 +204,23 @@ def test_chat_chunks_open_with_role_and_response_shape() -> None:
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 2
+
+
+def test_response_format_takes_disable_any_whitespace_from_structured_outputs() -> None:
+    """vLLM's form: ``response_format`` names the schema, ``structured_outputs`` carries only
+    the option (it was refused as a second spec)."""
+    from router.openai_models import structured_outputs_of
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = chat(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        structured_outputs={"disable_any_whitespace": True},
+    )
+    spec = structured_outputs_of(parse_body(body, ChatCompletionRequest, LIMITS))
+    assert spec is not None and spec.disable_any_whitespace and json.loads(spec.json) == schema
+    plain = chat(response_format={"type": "json_object"})
+    spec = structured_outputs_of(parse_body(plain, ChatCompletionRequest, LIMITS))
+    assert spec is not None and spec.json_object and not spec.disable_any_whitespace
+    with pytest.raises(RouterError, match="give one structured output spec"):
+        two = chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a+"})
+        structured_outputs_of(parse_body(two, ChatCompletionRequest, LIMITS))
