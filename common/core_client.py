@@ -268,8 +268,12 @@ class CoreClient:
         Idempotent; leaves no process behind."""
         process, self._process = self._process, None
         if process is not None and process.is_alive():
-            self._send(Shutdown())
-            await asyncio.to_thread(process.join, timeout_s)
+            if self.info is None:  # still starting: it reads no message before it is ready
+                process.terminate()  # (Ctrl-C of `up` waited 30 s for a node's starting core)
+                await asyncio.to_thread(process.join, 5.0)
+            else:
+                self._send(Shutdown())
+                await asyncio.to_thread(process.join, timeout_s)
             if process.is_alive():
                 logger.warning("engine core did not stop in %.0f s: killing it", timeout_s)
                 process.kill()

@@ -133,6 +133,33 @@ def test_failed_start_is_reported_and_leaves_nothing() -> None:
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
+def test_shutdown_of_a_starting_core_does_not_wait_for_it() -> None:
+    """A core still loading its model reads no Shutdown: it is terminated at once (Ctrl-C of
+    `up` while a replacement node started waited the 30 s join for it)."""
+    from common.models.shapes import write_dummy_shape
+
+    big = str(write_dummy_shape("llama-3.2-1b", num_layers=2))  # seconds of dummy weights
+
+    async def go() -> float:
+        config = EngineConfig.from_kwargs(
+            model=big, load_format="dummy", num_blocks=16, max_model_len=256, cpu_threads=1
+        )
+        client = CoreClient(config)
+        start = asyncio.ensure_future(client.start())
+        await asyncio.sleep(1.0)
+        assert client.info is None and not start.done(), "the core was ready too soon"
+        began = asyncio.get_running_loop().time()
+        await client.shutdown()
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        return asyncio.get_running_loop().time() - began
+
+    took = asyncio.run(go())
+    assert took < 10.0, took  # the Shutdown message path would wait its 30 s join
+    assert multiprocessing.active_children() == []
+
+
 def test_stream_cancel_load_death_and_shutdown() -> None:
     async def go() -> None:
         client = CoreClient(_config())
