@@ -170,21 +170,15 @@ def verify(header: Buffer, payload: Payload, fp_digest: bytes, num_tokens: int) 
     """True iff `header` is a committed, intact header of exactly `payload` (a flat byte view,
     or chunks taken in order) for this fingerprint and token count, and the payload checksum
     matches. Never raises."""
-    if len(header) != HEADER_SIZE:
+    parsed = _committed_header(header)
+    if parsed is None:
         return False
-    (stored_xxh,) = _HEADER_XXH.unpack_from(header, _BODY.size)
-    if _xxh3_64(memoryview(header)[: _BODY.size]) != stored_xxh:
-        return False
-    magic, version, flags, ntok, _, plen, xxh, fp = _BODY.unpack_from(header)
     chunks = chunk_views(payload)
     return (
-        magic == MAGIC
-        and version == VERSION
-        and bool(flags & FLAG_COMMITTED)
-        and ntok == num_tokens
-        and plen == payload_size(chunks)
-        and fp == fp_digest
-        and _checksum(chunks) == xxh
+        parsed.num_tokens == num_tokens
+        and parsed.payload_len == payload_size(chunks)
+        and parsed.fingerprint_digest == fp_digest
+        and _checksum(chunks) == parsed.payload_xxh3
     )
 
 
@@ -194,16 +188,19 @@ def damaged(header: Buffer, payload: Payload) -> bool:
     header of this format, or its payload, of the length the header states, fails the payload
     checksum. Entries are renamed into place whole, so this is damage, never a write in
     progress. Never raises."""
-    if len(header) != HEADER_SIZE:
-        return True
-    (stored_xxh,) = _HEADER_XXH.unpack_from(header, _BODY.size)
-    if _xxh3_64(memoryview(header)[: _BODY.size]) != stored_xxh:
-        return True
-    magic, version, flags, _, _, plen, xxh, _ = _BODY.unpack_from(header)
-    if magic != MAGIC or version != VERSION or not flags & FLAG_COMMITTED:
+    parsed = _committed_header(header)
+    if parsed is None:
         return True
     chunks = chunk_views(payload)
-    return plen == payload_size(chunks) and _checksum(chunks) != xxh
+    return parsed.payload_len == payload_size(chunks) and _checksum(chunks) != parsed.payload_xxh3
+
+
+def _committed_header(header: Buffer) -> EntryHeader | None:
+    """``parse_header`` of exactly one header, and only a committed one."""
+    if len(header) != HEADER_SIZE:
+        return None
+    parsed = parse_header(header)
+    return parsed if parsed is not None and parsed.flags & FLAG_COMMITTED else None
 
 
 def parse_and_verify(
