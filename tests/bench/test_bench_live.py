@@ -28,7 +28,7 @@ from tests.launcher.cluster_harness import UpProcess
 pytestmark = pytest.mark.slow
 
 STREAMS = 8  # concurrent requests per round: few enough for the raw httpx reader to keep up
-ROUNDS = 3  # interleaved, so that the machine's load weighs on every reader alike
+ROUNDS = 4  # interleaved, so that the machine's load weighs on every reader alike
 INPUT_LEN, OUTPUT_LEN = 24, 24
 # A gap this short is two tokens read together: a decode step of the tiny model on a CPU takes a
 # millisecond or more, and gRPC's per-message handling alone spaces bunched items ~0.1 ms apart.
@@ -102,13 +102,20 @@ def test_http_itl_matches_grpc_and_a_raw_sse_reader(tmp_path: Path) -> None:
     assert up.stop(signal.SIGINT) == 0, up.output
     gaps = {name: np.concatenate(v) for name, v in itls.items()}
     median = {name: round(float(np.median(g)), 3) for name, g in gaps.items()}
-    mean = {name: round(float(np.mean(g)), 3) for name, g in gaps.items()}
     bunched = {name: round(float(np.mean(g < BUNCHED_MS)), 3) for name, g in gaps.items()}
-    seen = f"ITL ms: median {median}, mean {mean}; share under {BUNCHED_MS} ms {bunched}"
+    # Each reader's mean gap in its least disturbed round: a busy machine only ever adds time to a
+    # round (CI once saw one reader's mean over all rounds at twice the others', and this machine
+    # the raw reader's), while a reader's own cost is in every round.
+    best = {name: round(min(float(np.mean(g)) for g in v), 3) for name, v in itls.items()}
+    seen = (
+        f"ITL ms: median {median}, best round's mean {best}, every round's mean "
+        f"{ {name: [round(float(np.mean(g)), 3) for g in v] for name, v in itls.items()} }; "
+        f"share under {BUNCHED_MS} ms {bunched}"
+    )
     print(seen)
     # On a loaded machine any reader may get tokens bunched (its process was not scheduled, or
     # the router's was not), so medians swing between rounds; bench's HTTP client must not bunch
-    # them where the others do not, and the mean gap (bunching moves time between gaps, it does
-    # not remove it) must agree.
+    # them where the others do not, and its mean gap (bunching moves time between gaps, it does
+    # not remove it) must agree with theirs.
     assert bunched["http"] <= max(bunched["grpc"], bunched["raw"]) + 0.25, seen
-    assert mean["http"] == pytest.approx(np.mean([mean["grpc"], mean["raw"]]), rel=0.5), seen
+    assert best["http"] == pytest.approx(np.mean([best["grpc"], best["raw"]]), rel=0.5), seen
