@@ -17,7 +17,11 @@ immutable inode; the header-last order also keeps a torn temp file (crash, ENOSP
 Readers open the name, then read header and payload with one preadv (header, the caller's chunks,
 one spare byte that must stay unread) and verify them: eviction unlinks the name and a re-put
 renames a new inode over it, but an open fd keeps reading the old, complete inode (POSIX). A
-missing name is a miss.
+missing name is a miss. A reader never blocks on a name: entries are opened with O_NONBLOCK and
+anything but a regular file (a FIFO, a device: open() of a FIFO would wait for a writer forever,
+wedging the engine that reads) is damage, missed and removed. What no flag bounds is a filesystem
+that stalls inside a syscall (a hung NFS server): the node's engine then stops making progress,
+and the router's progress timeout and `up`'s watchdog move its requests and replace it.
 
 NOTE (parallel batches, and where the index is): a batch of large entries is split into contiguous
 slices run by the store's worker threads (`workers`, default min(8, cpu count); the calling thread
@@ -41,6 +45,7 @@ import itertools
 import logging
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -287,11 +292,15 @@ class FileStore(KVStore):
     ) -> bool:
         """Read one entry straight into `dst` (one preadv: header, chunks, a spare byte that must
         stay unread, i.e. no trailing junk) and verify it; False on any mismatch, and a file
-        that was read but does not verify is listed in `corrupt` (list.append: thread-safe)."""
+        that was read but does not verify, or is no regular file, is listed in `corrupt`
+        (list.append: thread-safe)."""
         header = bytearray(entry.HEADER_SIZE)
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+            fd = _open_entry(self._path(name))
         except FileNotFoundError:
+            return False
+        except _NotAnEntry:
+            corrupt.append(name)
             return False
         except OSError as exc:
             self._read_error(name, exc)
@@ -323,9 +332,12 @@ class FileStore(KVStore):
 
     def _read_whole(self, name: str, num_tokens: int, corrupt: list[str]) -> bytes | None:
         try:
-            with open(self._path(name), "rb") as f:
+            with open(_open_entry(self._path(name)), "rb") as f:
                 data = f.read()
         except FileNotFoundError:
+            return None
+        except _NotAnEntry:
+            corrupt.append(name)
             return None
         except OSError as exc:
             self._read_error(name, exc)
@@ -433,6 +445,31 @@ class FileStore(KVStore):
 
 def _entry_path(root: str | Path, name: str) -> str:
     return f"{root}/{name[:2]}/{name[2:]}"
+
+
+class _NotAnEntry(OSError):
+    """A name that is not a regular file: damage, never read (or waited on)."""
+
+
+def _open_entry(path: str) -> int:
+    """A read-only fd of the entry file at ``path``, opened without ever blocking: O_NONBLOCK
+    makes open() of a FIFO return at once (it would wait for a writer), and anything but a
+    regular file is refused (O_NONBLOCK changes nothing for a regular file's reads): a
+    directory, which cannot be removed as an entry, with IsADirectoryError (a read error), any
+    other kind (a FIFO, a socket, a device) with _NotAnEntry. Raises FileNotFoundError when the
+    name is missing, OSError on other failures."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(f"{path} is a directory")
+        raise _NotAnEntry(f"{path} is not a regular file")
+    return fd
 
 
 def _size_of(path: str) -> int | None:

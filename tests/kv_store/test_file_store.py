@@ -88,6 +88,35 @@ def test_corrupt_file_is_a_miss_and_removed(store: FileStore, offset: int) -> No
     assert _read(store, [key]) == [True]
 
 
+@pytest.mark.parametrize("read", ["into", "whole"])
+def test_a_fifo_entry_is_a_miss_never_a_wait(store: FileStore, read: str) -> None:
+    """A FIFO at an entry's name (a stalled shared filesystem, in the issue's repro) made open()
+    wait for a writer forever, wedging the engine that read it: it is a miss at once now, and
+    removed like any damaged entry, so the next save writes it again."""
+    keys = [block_key(FP, i) for i in range(2)]
+    _put(store, keys)
+    path = store.path_of(keys[0])
+    path.unlink()
+    os.mkfifo(path)
+    result: list[object] = []
+    reader = threading.Thread(
+        target=lambda: result.append(
+            _read(store, keys) if read == "into" else store.get_many(keys, [16] * 2)
+        ),
+        daemon=True,
+    )
+    reader.start()
+    reader.join(10.0)
+    if reader.is_alive():  # unblock the reader (a writer opens the FIFO) before failing
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("a read waited on a FIFO")
+    hits = [r is True or isinstance(r, bytes) for r in result[0]]  # type: ignore[attr-defined]
+    assert hits == [False, True]
+    assert not path.exists() and store.contains_many(keys) == [False, True]
+    _put(store, keys[:1])
+    assert _read(store, keys) == [True, True]
+
+
 def test_truncated_or_extended_file_is_a_miss(store: FileStore) -> None:
     keys = [block_key(FP, i) for i in range(2)]
     _put(store, keys)
