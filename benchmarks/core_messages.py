@@ -17,9 +17,9 @@ import argparse
 import timeit
 
 from common.core_messages import Outputs, RequestTiming, decode, encode
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.request import TokenLogprobs
-from common.scheduler import EngineCoreOutput
+from common.step_outputs import EngineCoreOutput
 
 
 def decode_step(batch: int, logprobs: int = 0) -> Outputs:

@@ -124,7 +124,14 @@ def count_replays(llm) -> list[int]:
 
     runner = llm.engine.runner
     if runner.graphs is None:
-        runner.graphs = DecodeGraphs.for_runner(runner, capture=False)
+        runner.graphs = DecodeGraphs.for_config(
+            runner.model,
+            runner.inputs,
+            runner.config,
+            runner.block_size,
+            runner.max_model_len,
+            capture=False,
+        )
         runner.graphs.capture_all(runner.kv_layers)
     graphs, replays = runner.graphs, [0]
     real = graphs.replay

@@ -50,10 +50,10 @@ from common.core_messages import (
     encode,
     engine_config_to_dict,
 )
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.parallel_sampling import Sample, split_samples
 from common.sampling_params import SamplingParams
-from common.scheduler import EngineCoreOutput
+from common.step_outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
     from common.kv_connector import ConnectorFactory

@@ -21,9 +21,9 @@ from typing import Any
 import msgspec
 
 from common.config import EngineConfig
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.sampling_params import SamplingParams
-from common.scheduler import EngineCoreOutput, EngineStats
+from common.step_outputs import EngineCoreOutput, EngineStats
 
 
 class Message(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True):

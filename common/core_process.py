@@ -48,7 +48,7 @@ from common.core_messages import (
 )
 from common.engine import EngineCore, QueueFullError
 from common.request import RequestStatus
-from common.scheduler import EngineCoreOutput
+from common.step_outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
     from common.kv_connector import ConnectorFactory

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.scheduler import ScheduledRequest
-from common.step_inputs import StepInputs
+from common.step_inputs import InputBuffers, StepInputs
+from common.step_outputs import ScheduledRequest
 
 if TYPE_CHECKING:
-    from common.model_runner import ModelRunner
+    from common.config import RunnerConfig
+    from common.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +55,41 @@ def capture_sizes(max_num_seqs: int, asked: tuple[int, ...] | None = None) -> li
 
 
 class DecodeGraphs:
-    """Captured decode steps of one model runner. ``capture=False``: same shapes, run eagerly."""
+    """Captured decode steps of one model over its runner's input buffers (``inputs``: the
+    persistent buffers every graph reads at fixed addresses). ``capture=False``: same shapes,
+    run eagerly."""
 
     def __init__(
-        self, runner: ModelRunner, sizes: list[int], max_seq_len: int, capture: bool
+        self,
+        model: LlamaForCausalLM,
+        inputs: InputBuffers,
+        block_size: int,
+        sizes: list[int],
+        max_seq_len: int,
+        capture: bool,
     ) -> None:
-        self.runner = runner
+        self.model, self.inputs, self.block_size = model, inputs, block_size
         self.sizes = sorted(sizes)
-        self.row_stride = -(-max_seq_len // runner.block_size)  # block-table width of a graph
+        self.row_stride = -(-max_seq_len // block_size)  # block-table width of a graph
         self.capture = capture
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._kv_layers: list[torch.Tensor] | None = None
 
     @staticmethod
-    def for_runner(runner: ModelRunner, capture: bool) -> DecodeGraphs:
-        cfg = runner.config
-        max_seq_len = min(cfg.max_seq_len_to_capture, runner.max_model_len)
-        sizes = capture_sizes(cfg.max_num_seqs, cfg.cuda_graph_sizes)
-        return DecodeGraphs(runner, sizes, max_seq_len, capture)
+    def for_config(
+        model: LlamaForCausalLM,
+        inputs: InputBuffers,
+        config: RunnerConfig,
+        block_size: int,
+        max_model_len: int,
+        capture: bool,
+    ) -> DecodeGraphs:
+        """The sizes and context a runner's config asks for (``max_seq_len_to_capture``,
+        ``max_num_seqs``, ``cuda_graph_sizes``)."""
+        max_seq_len = min(config.max_seq_len_to_capture, max_model_len)
+        sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+        return DecodeGraphs(model, inputs, block_size, sizes, max_seq_len, capture)
 
     @property
     def max_size(self) -> int:
@@ -82,7 +99,7 @@ class DecodeGraphs:
         """The captured size a step pads to, or None when it must run eagerly."""
         if not scheduled or len(scheduled) > self.max_size or self._kv_layers is None:
             return None
-        limit = self.row_stride * self.runner.block_size
+        limit = self.row_stride * self.block_size
         for s in scheduled:
             if s.num_new_tokens != 1 or s.num_computed_tokens + 1 > limit:
                 return None
@@ -108,13 +125,13 @@ class DecodeGraphs:
             "captured %d decode graphs (batch 1..%d, context <= %d) in %.1f s, %.0f MiB",
             len(self.sizes),
             self.max_size,
-            self.row_stride * self.runner.block_size,
+            self.row_stride * self.block_size,
             time.perf_counter() - start,
             used / 2**20,
         )
 
     def _capture(self, size: int, pool) -> None:
-        self.runner.inputs.fill_padding(size, self.row_stride)
+        self.inputs.fill_padding(size, self.row_stride)
         for _ in range(2):  # compiles the kernels and settles the allocator outside the capture
             self._forward(size)
         graph = torch.cuda.CUDAGraph()
@@ -123,16 +140,15 @@ class DecodeGraphs:
         self._graphs[size] = graph
 
     def _forward(self, size: int) -> torch.Tensor:
-        v = self.runner.inputs.views(size, size, self.row_stride)
+        v = self.inputs.views(size, size, self.row_stride)
         assert self._kv_layers is not None
-        return self.runner.model(v.input_ids, v.positions, self._kv_layers, v.meta)
+        return self.model(v.input_ids, v.positions, self._kv_layers, v.meta)
 
     def replay(self, size: int, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``(size, hidden)`` of the step just written into the input buffers
         (``inputs``: their views, padded to ``size``; a graph reads the same addresses)."""
         if not self.capture:
             assert self._kv_layers is not None
-            model = self.runner.model
-            return model(inputs.input_ids, inputs.positions, self._kv_layers, inputs.meta)
+            return self.model(inputs.input_ids, inputs.positions, self._kv_layers, inputs.meta)
         self._graphs[size].replay()
         return self._outputs[size]

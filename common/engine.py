@@ -30,7 +30,7 @@ import torch
 
 from common.config import EngineConfig
 from common.kv_cache_manager import KVCacheManager, cdiv
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.memory_profile import KVReserve
 from common.model_runner import ModelRunner, StepResult
 from common.models.loader import read_hf_config
@@ -38,9 +38,10 @@ from common.models.preflight import max_model_len
 from common.models.tiny import resolve_model_path
 from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams
-from common.scheduler import EngineCoreOutput, EngineStats, Scheduler, SchedulerOutput
-from common.spec_decode import make_proposer
+from common.scheduler import Scheduler
+from common.spec_decode.proposer import make_proposer
 from common.step_faults import EngineFailure, StepFaults
+from common.step_outputs import EngineCoreOutput, EngineStats, SchedulerOutput
 from common.structured_prepare import PreparedStructuredOutputs
 
 if TYPE_CHECKING:

@@ -2,7 +2,8 @@
 
 Two halves joined by a per-step metadata object (vLLM V1's shape, kept small). The scheduler half
 runs inside ``Scheduler.schedule`` and only decides; the worker half runs inside the model runner
-and moves bytes. ``common/`` knows only this contract; ``kv_store/connector.py`` implements it.
+and moves bytes. ``common/`` knows only this contract (its types are ``common/kv_interface.py``);
+``kv_transfer/`` implements it over the byte stores of ``kv_store/``.
 
 Step by step:
 
@@ -29,23 +30,21 @@ Step by step:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import msgspec
+from common.kv_interface import ConnectorMetadata, KVCacheSpec, KVHandle, MatchedTokens
+from common.request import Request
+from common.step_outputs import SchedulerOutput
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
 
-    from common.model_runner import KVCacheSpec
     from common.parallel.block_exchange import BlockExchange
-    from common.request import Request
-    from common.scheduler import SchedulerOutput
 
     class ConnectorFactory(Protocol):
-        """How an engine is handed its connector (``kv_store.connector.create_store_connector``
+        """How an engine is handed its connector (``kv_transfer.connector.create_store_connector``
         is one); picklable, so an engine-core process can be spawned with it. ``spec``: the
         store's layout (every KV head); ``exchange``: rank 0's way to the other tensor-parallel
         ranks' heads, None on one device."""
@@ -59,55 +58,6 @@ if TYPE_CHECKING:
             device: torch.device,
             exchange: BlockExchange | None = None,
         ) -> tuple[KVConnectorScheduler, KVConnectorWorker]: ...
-
-
-class KVHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Names a request's prompt KV in a store: enough for any instance to load it.
-
-    A ``msgspec.Struct``: engine-core messages carry it as it is."""
-
-    fingerprint: str
-    block_size: int
-    num_tokens: int
-    block_hashes: list[bytes]  # chained SHA-256 of each full prompt block
-    store_url: str | None = None
-
-
-@dataclass
-class LoadSpec:
-    """Blocks of one request to fill from the store (``block_ids[i]`` ← ``keys[i]``)."""
-
-    request_id: str
-    keys: list[str]
-    block_ids: list[int]
-    num_tokens: list[int]  # tokens held by each entry (block_size, or fewer for a final partial)
-
-
-@dataclass
-class SaveSpec:
-    """Blocks of one request to write to the store after this step's forward pass.
-
-    ``final``: the request's prompt completes this step (it samples its first token now), so
-    ``wait_for_save`` returns only when every entry of its prompt is durable. Saves of earlier
-    prompt chunks keep going in the background while later chunks compute."""
-
-    request_id: str
-    keys: list[str]
-    block_ids: list[int]
-    num_tokens: list[int]
-    final: bool = False
-
-
-@dataclass
-class ConnectorMetadata:
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-
-
-class MatchedTokens(NamedTuple):
-    num_tokens: int | None  # extra prompt tokens the store holds beyond the local hit;
-    # None: not known yet (the connector is asking the store off the scheduling path)
-    load_async: bool  # True: load in the background; the request waits in its own state
 
 
 class KVConnectorScheduler(ABC):

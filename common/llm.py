@@ -16,7 +16,7 @@ from common.output_processor import CompletionOutput, RequestOutput, TextStream
 from common.parallel_sampling import split_samples
 from common.request import RequestStatus
 from common.sampling_params import SamplingParams
-from common.scheduler import EngineCoreOutput
+from common.step_outputs import EngineCoreOutput
 
 if TYPE_CHECKING:
     from common.kv_connector import ConnectorFactory

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from common.kv_interface import KVCacheSpec
 from common.request import Request
 from common.sampling_params import SamplingParams
-from common.scheduler import ScheduledRequest
-
-if TYPE_CHECKING:
-    from common.model_runner import ModelRunner
+from common.step_outputs import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +38,49 @@ class KVReserve:
     bytes_per_block: int
 
 
-def cuda_kv_budget(runner: ModelRunner, utilization: float) -> int:
-    """Bytes the KV cache may use on ``runner.device``. Raises ValueError when none are left."""
-    dev = runner.device
-    torch.cuda.synchronize(dev)
+@dataclass(frozen=True)
+class StepLimits:
+    """The largest steps an engine can run: what the budget leaves room for."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    graph_batch: int | None  # the largest captured decode batch; None: no decode graphs
+
+
+class ProfileStep(Protocol):
+    """How the runner runs one step for the profile (``ModelRunner._profile_step``)."""
+
+    def __call__(
+        self, scheduled: list[ScheduledRequest], kv_layers: list[torch.Tensor], sample: bool
+    ) -> None:
+        """The step of ``scheduled`` over a scratch cache (``kv_layers``: its per-layer views);
+        ``sample``: through the LM head and the sampler too."""
+
+
+def cuda_kv_budget(
+    device: torch.device,
+    spec: KVCacheSpec,
+    limits: StepLimits,
+    run_step: ProfileStep,
+    utilization: float,
+) -> int:
+    """Bytes the KV cache may use on ``device``. Raises ValueError when none are left."""
+    torch.cuda.synchronize(device)
     # blocks freed while loading stay in the allocator's cache, and reserved memory counts
     # them: release them first, so what counts as held is what the weights really hold
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(dev)
-    held = torch.cuda.memory_reserved(dev)  # the weights, mostly
-    cfg = runner.config
-    tokens = cfg.max_num_batched_tokens
-    lens = [min(tokens, runner.max_model_len)] * max(1, tokens // runner.max_model_len)
-    prefill = _profile(runner, lens, lens)
-    decode_rows = cfg.max_num_seqs
-    decode = _profile(runner, [1] * decode_rows, [1] * decode_rows)
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)  # the weights, mostly
+    tokens, max_len = limits.max_num_batched_tokens, limits.max_model_len
+    lens = [min(tokens, max_len)] * max(1, tokens // max_len)
+    prefill = _profile(device, spec, run_step, lens, lens)
+    decode_rows = limits.max_num_seqs
+    decode = _profile(device, spec, run_step, [1] * decode_rows, [1] * decode_rows)
     graphs = 0
-    if runner.graphs is not None:
-        n = runner.graphs.max_size
-        graphs = _profile(runner, [1] * n, [1] * n, sample=False)
+    if limits.graph_batch is not None:
+        n = limits.graph_batch
+        graphs = _profile(device, spec, run_step, [1] * n, [1] * n, sample=False)
     step = max(prefill, decode)
     budget = int(min(total * utilization - held, free) - step - graphs - _MARGIN)
     logger.info(
@@ -80,13 +102,18 @@ def cuda_kv_budget(runner: ModelRunner, utilization: float) -> int:
 
 @torch.inference_mode()
 def _profile(
-    runner: ModelRunner, seq_lens: list[int], query_lens: list[int], sample: bool = True
+    device: torch.device,
+    spec: KVCacheSpec,
+    run_step: ProfileStep,
+    seq_lens: list[int],
+    query_lens: list[int],
+    sample: bool = True,
 ) -> int:
     """Peak bytes allocated by one step of these sequences, beyond its scratch KV cache."""
-    dev, bs, spec = runner.device, runner.block_size, runner.spec
+    bs = spec.block_size
     blocks = [-(-n // bs) for n in seq_lens]
     shape = (spec.num_layers, 2, sum(blocks), bs, spec.num_kv_heads, spec.head_dim)
-    cache = torch.zeros(shape, dtype=spec.dtype, device=dev)
+    cache = torch.zeros(shape, dtype=spec.dtype, device=device)
     scheduled, first = [], 0
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
     for i, (n, q) in enumerate(zip(seq_lens, query_lens)):
@@ -97,19 +124,12 @@ def _profile(
         ids = list(range(first, first + blocks[i]))
         first += blocks[i]
         scheduled.append(ScheduledRequest(request, q, True, ids, n - q))
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    inputs = runner.inputs.prepare(scheduled, {})
-    hidden = runner.model(inputs.input_ids, inputs.positions, list(cache.unbind(0)), inputs.meta)
-    if sample and runner.tp is not None and runner.tp.rank > 0:  # its share of the gather
-        runner.model.lm_head(hidden.index_select(0, inputs.logits_rows))
-    elif sample:
-        logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-        rows = runner._sample_rows(scheduled)[0]
-        runner.sampler.sample(logits, rows)
-    torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base
-    del cache, hidden, inputs
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    run_step(scheduled, list(cache.unbind(0)), sample)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del cache
     torch.cuda.empty_cache()
     return peak

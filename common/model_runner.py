@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,36 +23,21 @@ from common.attention import LayerHooks, get_attention_backend
 from common.config import CacheConfig, RunnerConfig
 from common.cuda_graphs import DecodeGraphs
 from common.host_memory import keep_freed_host_memory, zeros_on_huge_pages
-from common.kv_connector import ConnectorHooks, ConnectorMetadata, KVConnectorWorker
-from common.memory_profile import KVReserve
+from common.kv_connector import ConnectorHooks, KVConnectorWorker
+from common.kv_interface import ConnectorMetadata, KVCacheSpec
+from common.memory_profile import KVReserve, StepLimits, cuda_kv_budget
 from common.models.llama import LlamaForCausalLM
 from common.models.loader import build_model, resolve_dtype
-from common.parallel.group import TensorParallel
+from common.parallel.group import TensorParallel, agree_on_min
 from common.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from common.request import TokenLogprobs
 from common.sampler import Sampler, SamplerOutput, SampleRow
-from common.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from common.step_inputs import BatchLimits, InputBuffers, StepInputs
+from common.step_outputs import SampledToken, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_GB = 0.5
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of the paged cache; also the layout part of a KV store fingerprint."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 def resolve_device(name: str) -> torch.device:
@@ -208,7 +192,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and tp is None:
-            self.graphs = DecodeGraphs.for_runner(self, capture=True)
+            self.graphs = DecodeGraphs.for_config(
+                self.model, self.inputs, config, self.block_size, max_model_len, capture=True
+            )
         self.num_blocks = self._num_blocks(cache_config)
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): see ARCHITECTURE.md
         shape = (a.num_layers, 2, self.num_blocks, self.block_size, kv_heads, a.head_dim)
@@ -258,17 +244,35 @@ class ModelRunner:
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
-            from common.memory_profile import cuda_kv_budget
-
-            budget = cuda_kv_budget(self, cfg.gpu_memory_utilization) - reserve.weight_bytes
+            budget = self._cuda_kv_budget(cfg.gpu_memory_utilization) - reserve.weight_bytes
         else:
             budget = _CPU_DEFAULT_KV_GB * 2**30
         num_blocks = max(1, int(budget // (self.spec.bytes_per_block + reserve.bytes_per_block)))
         if self.tp is not None:  # every rank the same count: the smallest
-            from common.parallel.executor import agree_on_min
-
             num_blocks = agree_on_min(self.tp, num_blocks)
         return num_blocks
+
+    def _cuda_kv_budget(self, utilization: float) -> int:
+        """The profiled GPU budget: the largest steps this runner can run, run once."""
+        c, graphs = self.config, self.graphs
+        batch = graphs.max_size if graphs is not None else None
+        limits = StepLimits(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, batch)
+        return cuda_kv_budget(self.device, self.spec, limits, self._profile_step, utilization)
+
+    def _profile_step(
+        self, scheduled: list[ScheduledRequest], kv_layers: list[torch.Tensor], sample: bool
+    ) -> None:
+        """One step over a scratch cache, for the memory profile (``common/memory_profile.py``)."""
+        inputs = self.inputs.prepare(scheduled, {})
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_layers, inputs.meta)
+        if not sample:
+            return
+        rows = hidden.index_select(0, inputs.logits_rows)
+        if self.tp is not None and self.tp.rank > 0:  # its share of the gather
+            self.model.lm_head(rows)
+        else:
+            logits = self.model.compute_logits(rows)
+            self.sampler.sample(logits, self._sample_rows(scheduled)[0])
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()

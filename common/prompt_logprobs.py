@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from common.request import TokenLogprobs
-from common.scheduler import ScheduledRequest
+from common.step_outputs import ScheduledRequest
 
 
 class PromptLogprobsChunk(NamedTuple):

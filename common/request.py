@@ -17,7 +17,7 @@ import time
 import msgspec
 
 from common.block_hash import BlockHash, hash_blocks, root_hash
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.sampling_params import SamplingParams
 
 

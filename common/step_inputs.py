@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from common.attention import AttentionMetadata
-from common.scheduler import ScheduledRequest
+from common.step_outputs import ScheduledRequest
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from common.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from common.request import Request
-    from common.scheduler import EngineCoreOutput, SchedulerOutput
+    from common.step_outputs import EngineCoreOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from common.request import Request
-    from common.scheduler import EngineCoreOutput, SchedulerOutput
+    from common.step_outputs import EngineCoreOutput, SchedulerOutput
     from common.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)

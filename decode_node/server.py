@@ -28,7 +28,7 @@ from pdserve_proto.convert import (
 
 from common.core_client import CoreOutput, CoreRequestError
 from common.core_messages import Ready
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.sampling_params import SamplingParams
 from node_frontend.options import DECODE_PORT
 from node_frontend.runtime import NodeRpcs, NodeRuntime, abort_with, invalid_argument

@@ -24,18 +24,18 @@ from typing import NamedTuple
 import torch
 
 from common.block_hash import prompt_block_hashes
-from common.kv_connector import (
+from common.kv_connector import KVConnectorScheduler
+from common.kv_interface import (
     ConnectorMetadata,
-    KVConnectorScheduler,
+    KVCacheSpec,
     KVHandle,
     LoadSpec,
     MatchedTokens,
     SaveSpec,
 )
-from common.model_runner import KVCacheSpec
 from common.parallel.block_exchange import BlockExchange
 from common.request import Request
-from common.scheduler import SchedulerOutput
+from common.step_outputs import SchedulerOutput
 from kv_store.base import KVStore
 from kv_store.connector_worker import StoreConnectorWorker
 from kv_store.entry import make_key

@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from common.kv_connector import ConnectorMetadata, KVConnectorWorker, LoadSpec
-from common.model_runner import KVCacheSpec
+from common.kv_connector import KVConnectorWorker
+from common.kv_interface import ConnectorMetadata, KVCacheSpec, LoadSpec
 from common.parallel.block_exchange import BlockExchange
 from common.sampler import to_device
 from kernels.block_copy import gather_blocks, scatter_blocks

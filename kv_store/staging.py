@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-from common.model_runner import KVCacheSpec
+from common.kv_interface import KVCacheSpec
 
 
 class RingClosed(RuntimeError):

@@ -30,7 +30,7 @@ from pdserve_proto.convert import (
 from pdserve_proto.nodes import NodeInfo, NodeLoad, Role
 
 from common.core_messages import LoadStats, Ready
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 from node_frontend.stats import NodeStats
 

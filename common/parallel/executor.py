@@ -64,9 +64,9 @@ from common.parallel.group import (
 from common.parallel.monitor import RankMonitor
 from common.parent_death import die_with
 from common.prompt_logprobs import prompt_rows
-from common.scheduler import SampledToken, SchedulerOutput
 from common.step_faults import EngineFailure
 from common.step_inputs import StepInputs
+from common.step_outputs import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,6 @@ STEP_TIMEOUT_S = TIMEOUT_S  # the longest a step (or a KV exchange) may wait on 
 
 class TensorParallelError(EngineFailure):
     """A tensor-parallel rank died or a collective failed: the engine cannot go on."""
-
-
-def agree_on_min(tp: TensorParallel, value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.control_group)
-    return int(t.item())
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

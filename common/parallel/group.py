@@ -99,3 +99,10 @@ def init_tensor_parallel(
 def destroy_tensor_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def agree_on_min(tp: TensorParallel, value: int) -> int:
+    """Every rank: the smallest ``value`` of the group (e.g. the KV blocks each rank can hold)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.control_group)
+    return int(t.item())

@@ -19,15 +19,12 @@ tokens are the very tokens of non-speculative decoding, greedy and seeded alike.
 - ``ngram.py``: prompt lookup (vectorised numpy, O(len) per request).
 - ``draft_model.py``: a small model sharing the tokenizer, run as a nested greedy engine.
 - ``rejection.py``: how many drafts a step keeps, the back-off of a request whose drafts keep
-  missing; the proposer interface and its factory.
+  missing.
+- ``proposer.py``: the proposer interface and its factory (``make_proposer``: not re-exported
+  here, since it names the engine's config, which imports ``config.py`` of this package).
 """
 
 from common.spec_decode.config import SpeculativeConfig
-from common.spec_decode.rejection import (
-    Proposer,
-    make_proposer,
-    num_accepted,
-    record_verification,
-)
+from common.spec_decode.rejection import num_accepted, record_verification
 
-__all__ = ["Proposer", "SpeculativeConfig", "make_proposer", "num_accepted", "record_verification"]
+__all__ = ["SpeculativeConfig", "num_accepted", "record_verification"]

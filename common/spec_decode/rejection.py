@@ -1,4 +1,4 @@
-"""Verification: how many drafts a step keeps; who proposes (the ``Proposer`` interface).
+"""Verification: how many drafts a step keeps, and which requests should propose at all.
 
 Plain ints (the scheduler's side): the runner already sampled the target at every verified
 position with the request's seeded stream, so with a deterministic proposal (one-hot ``q``),
@@ -10,19 +10,9 @@ missed the draft already is).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
 
 from common.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from common.config import EngineConfig
-    from common.spec_decode.config import SpeculativeConfig
-
-
-class Proposer(Protocol):
-    def propose(self, requests: Iterable[Request]) -> None:
-        """Set ``spec_token_ids`` of the decoding requests among ``requests`` (others: left)."""
 
 
 def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
@@ -65,18 +55,3 @@ def wants_drafts(request: Request, k: int) -> int:
     ):
         return 0
     return max(0, min(k, request.max_tokens - request.num_output_tokens - 1))
-
-
-def make_proposer(
-    config: SpeculativeConfig | None, engine: EngineConfig, max_model_len: int, num_blocks: int
-) -> Proposer | None:
-    """``num_blocks``: the target's KV cache blocks (a draft model's cache gets as many)."""
-    if config is None:
-        return None
-    if config.method == "ngram":
-        from common.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(config)
-    from common.spec_decode.draft_model import DraftModelProposer
-
-    return DraftModelProposer(config, engine, max_model_len, num_blocks)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.request import TokenLogprobs
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 from pdserve_proto import pdserve_pb2 as pb

@@ -13,8 +13,9 @@ import common.memory_profile as memory_profile
 import common.model_runner as model_runner
 from common import LLM, SamplingParams
 from common.config import CacheConfig, EngineConfig, RunnerConfig
-from common.memory_profile import KVReserve, cuda_kv_budget
-from common.model_runner import KVCacheSpec, ModelRunner, bind_device, resolve_device
+from common.kv_interface import KVCacheSpec
+from common.memory_profile import KVReserve, StepLimits, cuda_kv_budget
+from common.model_runner import ModelRunner, bind_device, resolve_device
 from common.models.llama import LlamaArgs, LlamaForCausalLM
 from common.models.loader import _fill_dummy, build_on_meta, materialize, read_hf_config
 from common.models.shapes import write_dummy_shape
@@ -136,12 +137,18 @@ class _FakeCuda:
 
 
 class _Runner:
-    """What ``cuda_kv_budget`` reads of a runner."""
+    """What ``_num_blocks`` reads of a runner (besides its KV spec)."""
 
     device = torch.device("cuda", 0)
     config = RunnerConfig(max_num_batched_tokens=8192, max_num_seqs=256)
     max_model_len = 8192
     graphs = None
+
+
+def _budget(spec: KVCacheSpec) -> int:
+    """``cuda_kv_budget`` for ``_Runner``'s limits (its steps' peaks are patched in)."""
+    limits = StepLimits(8192, 256, 8192, graph_batch=None)
+    return cuda_kv_budget(_Runner.device, spec, limits, lambda *a: None, 0.9)
 
 
 STEP_PEAK = 3 * GiB
@@ -150,7 +157,7 @@ STEP_PEAK = 3 * GiB
 def test_kv_budget_counts_only_what_is_held(monkeypatch):
     fake = _FakeCuda(monkeypatch)
     monkeypatch.setattr(memory_profile, "_profile", lambda *a, **k: STEP_PEAK)
-    budget = cuda_kv_budget(_Runner(), 0.9)  # type: ignore[arg-type]
+    budget = _budget(LLAMA_3_8B_KV)
     assert fake.emptied
     expected = int(H100_TOTAL * 0.9 - 15 * GiB - STEP_PEAK - memory_profile._MARGIN)
     assert budget == expected
@@ -185,7 +192,7 @@ def test_draft_model_is_reserved_before_the_target_sizes_its_cache(monkeypatch):
     reserve = draft_footprint(target.speculative_config, target)  # type: ignore[arg-type]
     assert 2.2 * GiB < reserve.weight_bytes < 2.4 * GiB  # 1.24 B parameters in bf16
     assert reserve.bytes_per_block == 16 * 8 * 64 * 2 * 2 * 16  # 16 layers of 8 x 64 heads
-    budget = cuda_kv_budget(_Runner(), 0.9)  # type: ignore[arg-type]
+    budget = _budget(LLAMA_3_8B_KV)
     alone = _runner_for(LLAMA_3_8B_KV, CacheConfig(), None)._num_blocks(CacheConfig())
     shared = _runner_for(LLAMA_3_8B_KV, CacheConfig(), reserve)._num_blocks(CacheConfig())
     assert alone == budget // LLAMA_3_8B_KV.bytes_per_block

@@ -30,7 +30,6 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -228,11 +227,11 @@ def trace_graph_region(shape: str, num_layers: int, monkeypatch) -> GraphRegionT
     """One decode forward of a ``BATCH``-row graph, as ``DecodeGraphs`` captures it, traced."""
     model = meta_model(shape, num_layers)
     max_model_len = model.args.max_position_embeddings
-    runner = SimpleNamespace(model=model, inputs=meta_buffers(max_model_len), block_size=BLOCK_SIZE)
+    inputs = meta_buffers(max_model_len)
     max_seq_len = min(MAX_SEQ_LEN_TO_CAPTURE, max_model_len)
-    graphs = DecodeGraphs(runner, [BATCH], max_seq_len, capture=False)  # type: ignore[arg-type]
+    graphs = DecodeGraphs(model, inputs, BLOCK_SIZE, [BATCH], max_seq_len, capture=False)
     graphs.capture_all(meta_kv_layers(model))
-    views = runner.inputs.views(BATCH, BATCH, graphs.row_stride)  # what the graph reads
+    views = inputs.views(BATCH, BATCH, graphs.row_stride)  # what the graph reads
     tracer = GraphRegionTracer()
     with record_triton_launches(tracer, monkeypatch), torch.inference_mode(), tracer:
         hidden = graphs.replay(BATCH, views)

@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 import common.parallel.executor as executor
 from common import LLM, SamplingParams
-from common.kv_connector import ConnectorMetadata, LoadSpec
-from common.model_runner import KVCacheSpec
+from common.kv_interface import ConnectorMetadata, KVCacheSpec, LoadSpec
 from common.parallel.executor import ParallelModelRunner, TensorParallelError
 from common.parallel.monitor import RankMonitor
 from kv_store import FileStore

@@ -47,7 +47,14 @@ def generate(graphs: bool = False, **engine_args) -> tuple[list, LLM]:
     llm = LLM(model="tiny-llama", max_num_batched_tokens=64, **engine_args)
     if graphs:
         runner = llm.engine.runner
-        runner.graphs = DecodeGraphs(runner, [1, 2, 4, 8, 16], max_seq_len=256, capture=False)
+        runner.graphs = DecodeGraphs(
+            runner.model,
+            runner.inputs,
+            runner.block_size,
+            [1, 2, 4, 8, 16],
+            max_seq_len=256,
+            capture=False,
+        )
         runner.graphs.capture_all(runner.kv_layers)
     prompts, params = workload()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -124,7 +131,9 @@ def test_graph_sizes_and_fallbacks():
     assert capture_sizes(64, (4, 1, 100)) == [1, 4]
     llm = LLM(model="tiny-llama")
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner, [1, 2, 4], max_seq_len=64, capture=False)
+    graphs = DecodeGraphs(
+        runner.model, runner.inputs, runner.block_size, [1, 2, 4], max_seq_len=64, capture=False
+    )
     graphs.capture_all(runner.kv_layers)
     replayed = []
     real_replay = graphs.replay

@@ -4,7 +4,8 @@ from common.config import SchedulerConfig
 from common.kv_cache_manager import KVCacheManager
 from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams
-from common.scheduler import SampledToken, Scheduler, SchedulerOutput
+from common.scheduler import Scheduler
+from common.step_outputs import SampledToken, SchedulerOutput
 
 BS = 4
 

@@ -9,10 +9,11 @@ from common.kv_cache_manager import KVCacheManager
 from common.llm import LLM
 from common.request import Request
 from common.sampling_params import SamplingParams
-from common.scheduler import SampledToken, Scheduler
+from common.scheduler import Scheduler
 from common.spec_decode import SpeculativeConfig, num_accepted
 from common.spec_decode.ngram import NgramProposer, propose_ngram
 from common.spec_decode.rejection import wants_drafts
+from common.step_outputs import SampledToken
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 

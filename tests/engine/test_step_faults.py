@@ -13,7 +13,7 @@ import pytest
 
 from common import LLM, SamplingParams
 from common.engine import EngineCore
-from common.scheduler import SchedulerOutput
+from common.step_outputs import SchedulerOutput
 
 PROMPTS = {f"ok{i}": [1, *range(10 + 7 * i, 30 + 9 * i)] for i in range(4)}
 POISON = [1, 5, 6, 7, 8, 9]

@@ -41,7 +41,9 @@ def test_graph_shaped_decode_with_the_triton_kernels(model):
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     shaped = LLM(attention_backend="triton", async_scheduling=True, **args)
     runner = shaped.engine.runner
-    runner.graphs = DecodeGraphs(runner, [1, 4], max_seq_len=128, capture=False)
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.inputs, runner.block_size, [1, 4], max_seq_len=128, capture=False
+    )
     runner.graphs.capture_all(runner.kv_layers)
     replayed = []
     real_replay = runner.graphs.replay

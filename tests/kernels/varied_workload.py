@@ -25,8 +25,8 @@ from common.models.loader import build_on_meta, materialize
 from common.models.shapes import SHAPES
 from common.request import Request
 from common.sampling_params import SamplingParams
-from common.scheduler import ScheduledRequest
 from common.step_inputs import BatchLimits, InputBuffers
+from common.step_outputs import ScheduledRequest
 from kernels.activation import silu_and_mul
 from kernels.block_copy import gather_blocks, scatter_blocks
 from kernels.cross_compile import compile_only

@@ -33,10 +33,10 @@ from common.core_messages import (
     decode,
     encode,
 )
-from common.kv_connector import KVHandle
+from common.kv_interface import KVHandle
 from common.request import TokenLogprobs
 from common.sampling_params import SamplingParams, child_seed
-from common.scheduler import EngineCoreOutput
+from common.step_outputs import EngineCoreOutput
 from kv_store.connector import create_store_connector
 from tests.services.nodes import Pair, random_prompts
 
