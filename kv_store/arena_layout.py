@@ -19,7 +19,7 @@ on a full tmpfs later), linked into place only once complete, and mapped MAP_SHA
 MAP_POPULATE by every process, so no copy pays a page fault or a page allocation: that is what
 makes a put 3-4x faster than writing a file on tmpfs (docs/BENCHMARKS.md, "KV transfer"). Never
 truncate an arena in use (a process touching a page past the end gets SIGBUS); removing or
-replacing the file is safe but splits the processes (old ones keep the old file).
+replacing the file is safe: its handles move to the arena at its path (`ArenaStore`).
 
 NOTE (who orders what): the slot state words (generation, state, key, checksum, reference bit)
 change only through the arena's slot protocol (`arena_slots.py`), chosen when the file is
@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import struct
@@ -59,11 +61,16 @@ from kv_store.arena_slots import (
 )
 from kv_store.file_store import DEFAULT_BASE, default_capacity, make_private_dir
 
+logger = logging.getLogger(__name__)
+
 SUFFIX = ".arena"
 MAGIC, VERSION = b"PDKVAREN", 2
 LOCKED_READS = 1  # header flag: the arena's reads take the lock (`LockedSlots`)
 _PAGE = 4096
 _EMPTY, _TOMB = 0, 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+_GEN_LIMIT = 1 << 63  # a reader gets a generation as an int64 (negative: a miss); never counted to
+_PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT: a larger owner pid is damage, not a process
 _HEADER = struct.Struct("<8sII16sQQII")  # magic, version, flags, fp digest, payload, slot, n, table
 _HEADER_XXH = struct.Struct("<Q")  # xxh3 of _HEADER, right after it: 64 immutable bytes
 _HAND, _TABLE_USED, _EVICTIONS, _HITS, _MISSES = range(5)  # u64 counters at byte 64
@@ -73,6 +80,11 @@ _TABLE_COLUMNS = (("tkey0", "Q"), ("tkey1", "Q"), ("tslot", "I"))
 
 class ArenaGeometryError(ValueError):
     """The arena file does not match what the caller asked for, or is not an arena."""
+
+
+class ArenaDamagedError(ArenaGeometryError):
+    """The file at an arena's path is not a whole arena (a bad or inconsistent header, a size
+    that is not its header's): `open_arena` replaces it when it may create one."""
 
 
 class ArenaProtocolError(ArenaGeometryError):
@@ -147,7 +159,7 @@ class Geometry:
     def decode(cls, page: bytes) -> ArenaHeader:
         """The header of an arena's first page; ArenaGeometryError if it is not one."""
         if len(page) < _PAGE:
-            raise ArenaGeometryError("file too short for an arena header")
+            raise ArenaDamagedError("file too short for an arena header")
         body = page[: _HEADER.size]
         (xxh,) = _HEADER_XXH.unpack_from(page, _HEADER.size)
         magic, version, flags, digest, payload, slot_size, slots, table = _HEADER.unpack(body)
@@ -157,14 +169,14 @@ class Geometry:
                 " users and remove the file to recreate it"
             )
         if magic != MAGIC or xxh != xxhash.xxh3_64_intdigest(body):
-            raise ArenaGeometryError("not a pdserve arena (bad magic or checksum)")
+            raise ArenaDamagedError("not a pdserve arena (bad magic or checksum)")
         (n,) = struct.unpack_from("<H", page, _FP_OFFSET)
         fingerprint = page[_FP_OFFSET + 2 : _FP_OFFSET + 2 + n].decode(errors="replace")
         geometry = cls(payload, slots)
         if (slot_size, table) != (geometry.slot_size, geometry.table_size):
-            raise ArenaGeometryError("inconsistent arena header")
+            raise ArenaDamagedError("inconsistent arena header")
         if entry.fingerprint_digest(fingerprint) != digest:
-            raise ArenaGeometryError("arena header fingerprint does not match its digest")
+            raise ArenaDamagedError("arena header fingerprint does not match its digest")
         return ArenaHeader(geometry, fingerprint, bool(flags & LOCKED_READS))
 
 
@@ -216,6 +228,8 @@ def owner_alive(owner: int, our_namespace: int) -> bool:
     pid, namespace = owner & 0xFFFFFFFF, owner >> 32
     if namespace == 0 or namespace != our_namespace:
         return True
+    if not 0 < pid <= _PID_MAX:  # damaged metadata (and kill(0) would signal our own group)
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -282,11 +296,11 @@ class ArenaMapping:
                 reuse = i if reuse < 0 else reuse
             elif tkey0[i] == d0 and tkey1[i] == d1:
                 tslot[i] = slot + 1
-                return cell - 1
+                return cell - 1 if cell <= self._slots else -1
             i = (i + 1) & self._mask
         if reuse < 0:
             reuse = i
-            self.counters[_TABLE_USED] += 1
+            self.count(_TABLE_USED, 1)
         tkey0[reuse], tkey1[reuse] = d0, d1
         tslot[reuse] = slot + 1  # last: a reader sees the cell only once its key is there
         return -1
@@ -319,6 +333,40 @@ class ArenaMapping:
             displaced = self.table_put(d0, d1, slot)
             if displaced >= 0:  # two slots of one key (a crash mid-publish): keep one
                 self.free_if_holds(displaced, d0, d1)
+
+    def count(self, counter: int, n: int) -> None:
+        """Add `n` to a shared counter, modulo 2**64 (a damaged counter never raises)."""
+        self.counters[counter] = (self.counters[counter] + n) & _U64
+
+    # -- damage ---------------------------------------------------------------------------------
+
+    def damage(self) -> list[str]:
+        """What is wrong with the shared metadata (a vectorised look over every slot and table
+        cell, under the arena lock): slots in no known state are lost to the CLOCK hand, table
+        cells that name no slot would be probed forever, counters out of range. The entries
+        themselves are checked on every read (checksums) and need no look here."""
+        found = []
+        if bad := int(np.count_nonzero(self.np["state"] > COMMITTED)):
+            found.append(f"{bad} slots in no known state")
+        if bad := int(np.count_nonzero(self.np["gen"] >= _GEN_LIMIT)):
+            found.append(f"{bad} slots whose generation no reader can hold")
+        tslot = self.np["tslot"]
+        if bad := int(np.count_nonzero((tslot > self._slots) & (tslot != _TOMB))):
+            found.append(f"{bad} table cells that name no slot")
+        if self.counters[_HAND] >= self._slots or self.counters[_TABLE_USED] > self._table_size:
+            found.append("counters out of range")
+        return found
+
+    def repair(self) -> None:
+        """Free the slots in no known state, rebuild the table from the slots' own keys, bring
+        the counters back in range. Under the arena lock."""
+        gens = self.np["gen"]
+        bad_gen = gens >= _GEN_LIMIT
+        gens[bad_gen] = 0  # then freed: the generation moves on from there
+        for slot in np.flatnonzero(bad_gen | (self.np["state"] > COMMITTED)).tolist():
+            self.slots.free(slot)
+        self.counters[_HAND] %= self._slots
+        self.rebuild_table()
 
     # -- slot states (through the protocol) -----------------------------------------------------
 
@@ -379,37 +427,65 @@ def open_arena(
     """Open (creating it if missing), check and map the arena at `path`; ArenaGeometryError if
     it holds another fingerprint or geometry than asked (None: take the file's).
 
-    A new arena reads lock-free (`AtomicSlots`) if the C slot protocol builds here and
-    `locked_reads` is False, else under the lock (`LockedSlots`); an existing one keeps its
-    own mode. ArenaProtocolError if it reads lock-free and this process cannot follow."""
+    A damaged file (`ArenaDamagedError`: a bad header, a truncated file) is replaced by a fresh,
+    empty arena when `payload_bytes` says how to make one; entries are only a cache, and a node
+    that crash-looped on a damaged arena would stop the cluster. A new arena reads lock-free
+    (`AtomicSlots`) if the C slot protocol builds here and `locked_reads` is False, else under
+    the lock (`LockedSlots`); an existing one keeps its own mode. ArenaProtocolError if it reads
+    lock-free and this process cannot follow."""
     lib = None if locked_reads else load_library()
     flags = 0 if lib is not None else LOCKED_READS
-    fd = _open_or_create(path, fingerprint, payload_bytes, capacity_bytes, flags)
-    try:
-        header = _check_header(fd, fingerprint, payload_bytes, capacity_bytes)
-        if not header.locked_reads and lib is None:
-            why = "locked reads were asked" if locked_reads else load_error()
-            raise ArenaProtocolError(
-                f"arena {path} is read lock-free through the C slot protocol, which this"
-                f" process cannot run ({why}); remove the arena (all its users stopped) to"
-                " recreate it with locked reads"
-            )
-        mapping = ArenaMapping(fd, header.geometry, None if header.locked_reads else lib)
-        return OpenArena(fd, header.geometry, mapping)
-    except BaseException:
-        os.close(fd)
-        raise
+    for _ in range(3):  # a replacement made by another process may be replaced again, rarely
+        fd = _open_or_create(path, fingerprint, payload_bytes, capacity_bytes, flags)
+        try:
+            try:
+                header = _check_header(fd, fingerprint, payload_bytes, capacity_bytes)
+            except ArenaDamagedError as exc:
+                if payload_bytes is None:
+                    raise ArenaDamagedError(
+                        f"arena {path}: {exc} (payload_bytes is needed to replace it)"
+                    ) from None
+                _replace_damaged(path, fd, fingerprint, payload_bytes, capacity_bytes, flags, exc)
+                os.close(fd)
+                continue
+            if not header.locked_reads and lib is None:
+                why = "locked reads were asked" if locked_reads else load_error()
+                raise ArenaProtocolError(
+                    f"arena {path} is read lock-free through the C slot protocol, which this"
+                    f" process cannot run ({why}); remove the arena (all its users stopped) to"
+                    " recreate it with locked reads"
+                )
+            mapping = ArenaMapping(fd, header.geometry, None if header.locked_reads else lib)
+            return OpenArena(fd, header.geometry, mapping)
+        except BaseException:
+            os.close(fd)
+            raise
+    raise ArenaDamagedError(f"arena {path} was still damaged after three replacements")
 
 
 def _open_or_create(
     path: Path, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None, flags: int
 ) -> int:
-    """An O_RDWR fd of the arena at `path`, creating it (fully allocated, header written, then
-    linked into place, so no process ever maps a half-made arena) if it does not exist."""
+    """An O_RDWR fd of the arena at `path`, creating it if it does not exist."""
     with contextlib.suppress(FileNotFoundError):
         return os.open(path, os.O_RDWR | os.O_CLOEXEC)
     if payload_bytes is None:
         raise ArenaGeometryError(f"no arena at {path}; payload_bytes is needed to create one")
+    return _create(path, fingerprint, payload_bytes, capacity_bytes, flags, replace=False)
+
+
+def _create(
+    path: Path,
+    fingerprint: str,
+    payload_bytes: int,
+    capacity_bytes: int | None,
+    flags: int,
+    *,
+    replace: bool,
+) -> int:
+    """Make a new arena (fully allocated, header written) under a temporary name, then link it
+    into place, so no process ever maps a half-made arena: beside nothing (`replace` False; if
+    another process created one first, theirs is used) or over what is there. Returns an fd."""
     if not path.parent.exists():
         make_private_dir(path.parent)
     if capacity_bytes is None:
@@ -420,6 +496,9 @@ def _open_or_create(
     try:
         os.posix_fallocate(fd, 0, geometry.file_size)  # ENOSPC now, not SIGBUS later
         os.pwrite(fd, geometry.encode(fingerprint, flags), 0)
+        if replace:
+            os.replace(temp, path)
+            return fd
         try:
             os.link(temp, path)
         except FileExistsError:  # another process created it first: use theirs
@@ -433,6 +512,28 @@ def _open_or_create(
         temp.unlink(missing_ok=True)
 
 
+def _replace_damaged(
+    path: Path,
+    fd: int,
+    fingerprint: str,
+    payload_bytes: int,
+    capacity_bytes: int | None,
+    flags: int,
+    why: Exception,
+) -> None:
+    """Put a fresh arena in place of the damaged file open as `fd`, unless another process
+    already has (the arena lock makes that check and the replacement one step). Processes that
+    still map the old file move to the new one at their next file check (`ArenaStore`)."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        if not names_file(path, fd):
+            return
+        os.close(_create(path, fingerprint, payload_bytes, capacity_bytes, flags, replace=True))
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    logger.warning("arena %s was damaged (%s): replaced by a fresh, empty arena", path, why)
+
+
 def _check_header(
     fd: int, fingerprint: str, payload_bytes: int | None, capacity_bytes: int | None
 ) -> ArenaHeader:
@@ -442,7 +543,7 @@ def _check_header(
     if stored != fingerprint:
         raise ArenaGeometryError(f"arena holds fingerprint {stored!r}, not {fingerprint!r}")
     if os.fstat(fd).st_size != geometry.file_size:
-        raise ArenaGeometryError("arena file size does not match its header")
+        raise ArenaDamagedError("arena file size does not match its header")
     if payload_bytes is not None and payload_bytes != geometry.payload_bytes:
         raise ArenaGeometryError(
             f"arena geometry mismatch: it holds {geometry.payload_bytes} B payloads,"

@@ -3,8 +3,15 @@
 The file's layout, and how it is created, checked and mapped, are in `arena_layout.py`. A put
 is a memcpy of the payload into its slot plus the 64-byte header after it; a get one memcpy out.
 numpy does the copies and releases the GIL for them, so the store's worker threads (`workers`)
-copy in parallel; xxh3 (the checksum) holds the GIL. An arena removed or replaced while in use
-splits the processes (old ones keep the old file), and the old ones log it.
+copy in parallel; xxh3 (the checksum) holds the GIL.
+
+NOTE (damage and replacement): the store is a cache, so damage costs misses, never a failed
+save or a process that cannot start. Every read verifies its entry (below); damaged shared
+metadata (slots in no known state, table cells naming no slot, counters out of range) is
+repaired at open and at most once a second by writers (`ArenaMapping.damage`); a damaged file
+(bad header, wrong size) is replaced by a fresh arena when opened (`open_arena`). A handle whose
+path no longer names its file (replaced, or removed by an operator) moves to the arena now at
+the path within a second, between operations, so processes never stay split over two files.
 
 NOTE (writers: claim, copy, publish): a put batch takes the lock (flock on the arena file, plus a
 thread lock) twice, never per entry, and never while copying: *claim* picks a slot per entry
@@ -63,6 +70,7 @@ from kv_store.arena_layout import (
     SUFFIX,
     ArenaGeometryError,
     ArenaProtocolError,
+    OpenArena,
     arena_path,
     key_digest,
     names_file,
@@ -92,6 +100,7 @@ logger = logging.getLogger(__name__)
 STALE_WRITE_S = 30.0  # a claim this old is reclaimed even if its owner seems alive
 _WINDOW = 4096  # slots the CLOCK hand inspects per vectorised step
 _RECLAIM_EVERY_NS = 1_000_000_000
+_FILE_CHECK_EVERY_NS = 1_000_000_000  # how often a handle checks its path still names its file
 # Copies release the GIL; per-entry Python work and xxh3 do not: threads pay from ~256 KiB up.
 _MIN_PARALLEL_ENTRY = 256 << 10
 _MIN_SLICE_BYTES = 2 << 20
@@ -144,15 +153,29 @@ class ArenaStore(KVStore):
         # the checksum rejected (corruption, a zombie writer: never a tear with either protocol)
         self.generation_misses = 0
         self.checksum_catches = 0
-        self._fd, self.geometry, self._map = open_arena(
-            self.path, fingerprint, payload_bytes, capacity_bytes, locked_reads=locked_reads
+        # operations using the mapped file now, and a move to another file waiting for none
+        self._users, self._moving = 0, False
+        self._users_changed = threading.Condition()
+        self._move_lock = threading.Lock()
+        self._next_file_check = time.monotonic_ns() + _FILE_CHECK_EVERY_NS
+        self._fd = -1
+        self._adopt(
+            open_arena(
+                self.path, fingerprint, payload_bytes, capacity_bytes, locked_reads=locked_reads
+            )
         )
+
+    def _adopt(self, opened: OpenArena) -> None:
+        """Use the arena `opened` (its file checked, its damaged metadata repaired)."""
+        self._fd, self.geometry, self._map = opened
         self._slot_protocol = self._map.slots
         self._read_guard = self._locked if self._slot_protocol.locked_reads else self._unlocked
         # hot-path copies of the geometry (properties recompute)
         self._data = self.geometry.data_offset
         self._slot_size, self._slots = self.geometry.slot_size, self.geometry.slot_count
         self._table_size = self.geometry.table_size
+        with self._locked():
+            self._repair_metadata()
 
     @property
     def payload_bytes(self) -> int:
@@ -190,6 +213,58 @@ class ArenaStore(KVStore):
         self._check_owner()
         yield
 
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Around every operation: the mapped file stays this handle's until it ends."""
+        with self._users_changed:
+            self._users_changed.wait_for(lambda: not self._moving)
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._users_changed:
+                self._users -= 1
+                self._users_changed.notify_all()
+
+    def _follow_path(self) -> None:
+        """At most once a second: if the arena's path no longer names our file (removed, or
+        replaced because it was damaged), move to the arena now at the path (creating it if
+        missing), so that processes never stay split over two files. Before an operation."""
+        now = time.monotonic_ns()
+        if now < self._next_file_check or not self._move_lock.acquire(blocking=False):
+            return
+        try:
+            self._next_file_check = now + _FILE_CHECK_EVERY_NS
+            self._check_owner()
+            if names_file(self.path, self._fd):
+                return
+            try:
+                opened = open_arena(self.path, self.fingerprint, self.payload_bytes, None)
+            except (OSError, ValueError) as exc:  # ArenaGeometryError is a ValueError
+                self._warn.warn(
+                    "arena %s was removed or replaced while in use, and this process cannot use"
+                    " what its path holds now (%s): it keeps its old file", self.path, exc,
+                )  # fmt: skip
+                return
+            with self._users_changed:
+                self._moving = True
+                self._users_changed.wait_for(lambda: self._users == 0)
+            try:  # no operation runs now, and none starts until the move ends
+                old_fd, old_map = self._fd, self._map
+                self._adopt(opened)
+                old_map.close()
+                os.close(old_fd)
+            finally:
+                with self._users_changed:
+                    self._moving = False
+                    self._users_changed.notify_all()
+            logger.warning(
+                "arena %s was removed or replaced while in use: this process moved to the arena"
+                " now at its path", self.path,
+            )  # fmt: skip
+        finally:
+            self._move_lock.release()
+
     @property
     def locked_reads(self) -> bool:
         """Whether reads take the arena lock (`LockedSlots`) rather than run lock-free."""
@@ -210,6 +285,13 @@ class ArenaStore(KVStore):
             raise ValueError(f"payloads of {sorted(sizes)} B in an arena of {self.payload_bytes} B")
         if not keys:
             return []
+        self._follow_path()
+        with self._in_use():
+            return self._put(keys, chunks, num_tokens)
+
+    def _put(
+        self, keys: Sequence[str], chunks: list[list[memoryview]], num_tokens: Sequence[int]
+    ) -> list[bool]:
         digests = [self.key_digest(key) for key in keys]
         last = {d: i for i, d in enumerate(digests)}  # a repeated key: its last payload wins
         with self._locked():
@@ -250,7 +332,7 @@ class ArenaStore(KVStore):
         now = time.monotonic_ns()
         if now - self._last_reclaim > _RECLAIM_EVERY_NS:
             self._reclaim_stale(now)
-            self._check_file()
+            self._repair_metadata()
         out, fresh = [], []
         for j, (d0, d1) in enumerate(digests):
             slot = self._map.committed(d0, d1)
@@ -276,7 +358,7 @@ class ArenaStore(KVStore):
             for slot in found:
                 if mv["state"][slot] == COMMITTED:
                     self._map.table_remove(mv["key0"][slot], mv["key1"][slot], slot)
-                    self._map.counters[_EVICTIONS] += 1
+                    self._map.count(_EVICTIONS, 1)
                 out.append((slot, slots.begin_write(slot, *digests[len(out)], self._owner, now)))
             scanned += end - hand
             hand = end % n
@@ -317,15 +399,17 @@ class ArenaStore(KVStore):
                 freed += 1
         return freed
 
-    def _check_file(self) -> None:
-        """Warn if the arena's path no longer names our file (removed or replaced while in use):
-        processes opening it from now on do not share this process's entries."""
-        if not names_file(self.path, self._fd):
-            self._warn.warn("arena %s was removed or replaced while in use", self.path)
+    def _repair_metadata(self) -> None:
+        """Repair damaged shared metadata (`ArenaMapping.damage`): at open and at most once a
+        second with the writers' claims, so damage costs misses, never failed saves. Under the
+        lock."""
+        if found := self._map.damage():
+            self._map.repair()
+            logger.warning("arena %s: damaged metadata repaired (%s)", self.path, "; ".join(found))
 
     def reclaim(self) -> int:
         """Free the slots of writers that died mid-write now; returns how many."""
-        with self._locked():
+        with self._in_use(), self._locked():
             return self._reclaim_stale(time.monotonic_ns())
 
     # -- reads ----------------------------------------------------------------------------------
@@ -336,7 +420,8 @@ class ArenaStore(KVStore):
         check_lengths(keys, num_tokens, out)
         self._check_owner()
         dsts = [entry.chunk_views(o) for o in out]
-        with self._read_guard():
+        self._follow_path()
+        with self._in_use(), self._read_guard():
             found = self._pool.map(
                 lambda i: self._read_slot(keys[i], num_tokens[i], dsts[i]),
                 len(keys),
@@ -430,8 +515,8 @@ class ArenaStore(KVStore):
             try:
                 with self._pending_lock:
                     (hits, misses), self._pending = self._pending, [0, 0]
-                self._map.counters[_HITS] += hits
-                self._map.counters[_MISSES] += misses
+                self._map.count(_HITS, hits)
+                self._map.count(_MISSES, misses)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
@@ -440,14 +525,15 @@ class ArenaStore(KVStore):
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Table lookups (lock-free unless `locked_reads`); a slot being rewritten counts as
         absent."""
-        with self._read_guard():
+        self._follow_path()
+        with self._in_use(), self._read_guard():
             return [self._map.committed(*self.key_digest(key)) >= 0 for key in keys]
 
     # -- maintenance ----------------------------------------------------------------------------
 
     def delete_many(self, keys: Sequence[str]) -> int:
         deleted = 0
-        with self._locked():
+        with self._in_use(), self._locked():
             for key in keys:
                 d0, d1 = self.key_digest(key)
                 slot = self._map.committed(d0, d1)
@@ -459,11 +545,15 @@ class ArenaStore(KVStore):
 
     def clear(self) -> int:
         """Free every committed slot (writes in flight finish normally)."""
-        with self._locked():
+        with self._in_use(), self._locked():
             return self._map.free_all()
 
     def stats(self) -> StoreStats:
         self._check_owner()
+        with self._in_use():
+            return self._stats()
+
+    def _stats(self) -> StoreStats:
         self._flush_counters(block=True)
         entries = int(np.count_nonzero(self._map.np["state"] == COMMITTED))
         c, shared = self._counters, self._map.counters
@@ -475,7 +565,7 @@ class ArenaStore(KVStore):
 
     def slot_of(self, key: str) -> int:
         """The committed slot of `key`, -1 if none (for tests and debugging)."""
-        with self._read_guard():
+        with self._in_use(), self._read_guard():
             return self._map.committed(*self.key_digest(key))
 
     def close(self) -> None:

@@ -312,13 +312,21 @@ def test_stale_claims_are_reclaimed_by_age(store: ArenaStore) -> None:
     assert store.contains_many([key]) == [False]
 
 
-def test_removed_arena_is_reported(
+def test_a_removed_arena_is_followed(
     store: ArenaStore, path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path.unlink()  # e.g. an operator's rm while the servers run: they keep the old file
-    store._last_reclaim = 0  # the check runs with the next claim (at most once a second)
-    assert _put(store, [block_key(FP, 0)]) == [True]
-    assert "removed or replaced while in use" in caplog.text
+    """An operator's rm while the servers run: each handle moves to a new arena at the path (its
+    next operation after a second), so the processes do not stay split over two files."""
+    old_inode = path.stat().st_ino
+    path.unlink()
+    with _open(path) as newcomer:  # a process started after the rm creates a new arena
+        assert _put(newcomer, [block_key(FP, 1)]) == [True]
+        store._next_file_check = 0  # the check runs at most once a second
+        assert _put(store, [block_key(FP, 0)]) == [True]
+        assert "removed or replaced while in use" in caplog.text
+        assert path.stat().st_ino != old_inode
+        assert _read(newcomer, [block_key(FP, 0)]) == [True]  # one file again
+        assert _read(store, [block_key(FP, 1)]) == [True]
 
 
 def test_geometry_is_checked(path: Path, tmp_path: Path) -> None:
