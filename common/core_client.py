@@ -207,6 +207,8 @@ class CoreClient:
         self._requests: dict[str, _Request] = {}
         self._request_of: dict[str, str] = {}  # engine request id (a sample) → request id
         self._load_waiters: dict[int, asyncio.Future[LoadStats]] = {}
+        # the newest load the core sent, answering any query (a late answer still counts)
+        self.last_load: LoadStats | None = None
         self._query_ids = itertools.count()
         self._dead: str | None = None  # why the core is unusable, once it is
         self._failed = asyncio.Event()  # set when the core died or failed (not on shutdown)
@@ -440,6 +442,7 @@ class CoreClient:
                 request = self._end_sample(message.request_id)
                 request.queue.put_nowait(CoreRequestError(message.code, message.message))
         elif isinstance(message, LoadStats):
+            self.last_load = message
             waiter = self._load_waiters.get(message.query_id)
             if waiter is not None and not waiter.done():
                 waiter.set_result(message)

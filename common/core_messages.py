@@ -110,9 +110,11 @@ ERROR_CODES = ("invalid_argument", "resource_exhausted", "request_failed")
 
 class LoadStats(EngineStats, Message, tag="load", kw_only=True):
     """The engine's load between two steps (the fields of ``EngineStats``), answering the
-    :class:`GetLoad` with the same ``query_id``."""
+    :class:`GetLoad` with the same ``query_id``. ``engine_steps``: turns of the core's loop so far
+    (monotonic; a core holding requests whose count stops moving is stuck)."""
 
     query_id: int
+    engine_steps: int = 0
 
 
 class Fatal(Message, tag="fatal"):

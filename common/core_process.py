@@ -116,6 +116,7 @@ class EngineCoreProc:
         self.clocks = RequestClocks()
         self._parent_pid = os.getppid()
         self._stopping = False
+        self.num_steps = 0  # turns of the loop: the liveness count a node reports (LoadStats)
 
     def run(self) -> None:
         next_check = time.monotonic() + _PARENT_CHECK_MS / 1e3
@@ -202,12 +203,14 @@ class EngineCoreProc:
             self._send(Outputs(outputs, [None] * len(outputs)))
 
     def _load(self, query_id: int) -> LoadStats:
-        return LoadStats(**msgspec.structs.asdict(self.engine.stats()), query_id=query_id)
+        stats = msgspec.structs.asdict(self.engine.stats())
+        return LoadStats(**stats, query_id=query_id, engine_steps=self.num_steps)
 
     # -- the step ----------------------------------------------------------------------------
     def _step(self) -> None:
         start = time.monotonic()
         outputs = self.engine.step()
+        self.num_steps += 1
         self.clocks.after_step(self.engine, start)
         for request_id, reason in self.engine.take_refused():  # grammars that did not compile
             self.clocks.drop(request_id)

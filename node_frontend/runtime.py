@@ -32,6 +32,8 @@ from node_frontend.stats import NodeStats
 
 logger = logging.getLogger(__name__)
 
+LOAD_WAIT_S = 1.0  # longest wait for the engine core's load (a heartbeat is never later)
+
 _STATUS_CODES = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -71,6 +73,7 @@ class NodeRuntime:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._core_silent = False  # the last load query went unanswered (logged once)
 
     @property
     def info(self) -> Ready:
@@ -138,16 +141,24 @@ class NodeRuntime:
         return node_info_from_engine(self.info)
 
     async def load(self) -> NodeLoad:
-        """Engine load plus this node's recent latencies and rates; never raises (an engine
-        that cannot answer reports zeros)."""
-        stats = None
+        """Engine load plus this node's recent latencies, rates and held requests; never raises.
+
+        Waits at most ``LOAD_WAIT_S`` for the engine core (it answers between steps): one that
+        does not answer in time — in a long step, or stuck — is reported by its last answer,
+        so a heartbeat is never late and a stuck core's ``engine_steps`` stand still. A dead
+        core reports zeros."""
         if self.core.alive:
             try:
-                stats = await self.core.get_load()
+                await self.core.get_load(timeout_s=LOAD_WAIT_S)
+                self._core_silent = False
             except (RuntimeError, asyncio.TimeoutError) as e:
-                logger.warning("engine core did not report its load: %s", e)
+                if not self._core_silent:
+                    logger.warning("engine core did not report its load: %r", e)
+                self._core_silent = True
+        stats = self.core.last_load if self.core.alive else None
         max_num_seqs = self.core.info.max_num_seqs if self.core.info is not None else 0
-        return self.stats.with_latencies(node_load_from_engine(stats, max_num_seqs, self.draining))
+        load = node_load_from_engine(stats, max_num_seqs, self.draining, self._in_flight)
+        return self.stats.with_latencies(load)
 
     async def load_report(self) -> pb.LoadReport:
         return load_to_proto(self.role, await self.load())

@@ -43,6 +43,9 @@ class RouterConfig:
     quarantine_after: int = 3  # instances a request may fail before it is refused
     prefill_timeout_s: float = 300.0
     decode_stall_timeout_s: float = 300.0
+    # a node holding requests whose engine makes no progress this long is stalled (out of
+    # routing, its requests move); also a decode stream's per-token deadline (router.deadlines)
+    progress_timeout_s: float = 10.0
     prefill_fallback: bool = True  # no prefill path: a decode node runs the request whole
     max_inflight: int = 1024
     max_n: int = 8
@@ -94,6 +97,8 @@ class RouterConfig:
             raise ValueError("max_retries and max_logprobs must be >= 0")
         if self.quarantine_after < 1:
             raise ValueError("quarantine_after must be >= 1")
+        if self.progress_timeout_s <= 0:
+            raise ValueError("--progress-timeout must be > 0")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -151,7 +156,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="refuse a request (and its resends) once this many instances failed running it")  # fmt: skip
     a("--prefill-timeout", dest="prefill_timeout_s", type=float, default=d.prefill_timeout_s)
     a("--decode-stall-timeout", dest="decode_stall_timeout_s", type=float,
-      default=d.decode_stall_timeout_s, help="resume elsewhere after this long without output")  # fmt: skip
+      default=d.decode_stall_timeout_s,
+      help="resume elsewhere after this long without output, even from a live, full node")  # fmt: skip
+    a("--progress-timeout", dest="progress_timeout_s", type=float, default=d.progress_timeout_s,
+      help="a node holding requests whose engine makes no progress this long is stalled: out"
+           " of routing and /ready, its requests resume elsewhere; also the per-token deadline"
+           " of a decode stream (s)")  # fmt: skip
     a("--prefill-fallback", action=argparse.BooleanOptionalAction, default=d.prefill_fallback,
       help="when no prefill instance can serve, a decode node prefills locally (default on)")  # fmt: skip
     a("--max-inflight", type=int, default=d.max_inflight, help="over it: 429")

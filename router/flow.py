@@ -1,5 +1,5 @@
 """The request flow: prefill (retried elsewhere on failure), first token out, decode stream
-(migrated elsewhere when its node dies), detokenization, stop strings, finish.
+(migrated elsewhere when its node dies or stalls), detokenization, stop strings, finish.
 
 NOTE on faults. Failures are classified by gRPC status code (``_classify``):
 
@@ -21,6 +21,10 @@ A prefill that fails before its first token cannot have sent anything, so retryi
 duplicates nothing. When no prefill path is left (no healthy instance, or every attempt failed)
 the sample falls back to a decode-only run (``FlowConfig.prefill_fallback``): a Decode with no
 handle and no tokens, which the decode node prefills itself; every instance busy stays a 429.
+
+A node that stalls (its engine loop stands still while it holds requests) or goes silent is
+*lost* to the registry: its calls give up at once, and a decode stream with no token for the
+per-token deadline gives up too (``router.deadlines``); both count as transport faults.
 
 A decode is resumed with ``DecodeRequest.output_token_ids`` = every token the client has been
 sent (``SampleState.token_ids``); the request's fixed seed makes the new node sample exactly
@@ -52,6 +56,7 @@ from pdserve_proto.convert import finish_reason_from_proto, prompt_logprobs_from
 from common.block_hash import hash_blocks
 from common.sampling_params import SamplingParams
 from router.balancer import DecodePolicy, PrefillPolicy, PromptInfo
+from router.deadlines import DecodeItems, NodeLost, until_lost
 from router.errors import (
     RouterError,
     invalid_request,
@@ -75,9 +80,11 @@ _ABORT_TIMEOUT_S = 5.0
 class FlowConfig:
     """Retry budget and timeouts.
 
-    ``decode_stall_timeout_s`` bounds the wait for a decode stream's next item: a node that
-    stops answering without closing its connection is treated as dead (the request resumes
-    elsewhere). ``prefill_fallback``: when no prefill instance can give a sample its first
+    ``progress_timeout_s`` is a decode stream's per-token deadline: with no item for that long
+    the request resumes on another node, unless its node is live and full (the request may be
+    queued); ``decode_stall_timeout_s`` caps even that wait (``router.deadlines``). A node the
+    registry loses (stalled, silent) gives up every call on it at once.
+    ``prefill_fallback``: when no prefill instance can give a sample its first
     token (none healthy, or every attempt failed before one), a decode node runs the whole
     request (it prefills locally, slower, same tokens) instead of the client getting an error.
     """
@@ -88,13 +95,15 @@ class FlowConfig:
     prefill_fallback: bool = True  # no prefill path: a decode node prefills locally
     quarantine_after: int = 3  # instances a request may fail before it is refused
     quarantine_s: float = 600.0
+    progress_timeout_s: float = 10.0  # per-token deadline of a decode stream
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         if self.quarantine_after < 1 or self.quarantine_s <= 0:
             raise ValueError("need quarantine_after >= 1 and quarantine_s > 0")
-        if self.prefill_timeout_s <= 0 or self.decode_stall_timeout_s <= 0:
+        timeouts = (self.prefill_timeout_s, self.decode_stall_timeout_s, self.progress_timeout_s)
+        if min(timeouts) <= 0:
             raise ValueError("timeouts must be > 0")
 
 
@@ -302,7 +311,7 @@ class RequestFlow:
                 last_fault = self._on_rpc_error(spec, instance, exc, "prefill")
                 usage.retries += 1
                 continue
-            except _NodeGaveUp as exc:
+            except (_NodeGaveUp, NodeLost) as exc:
                 logger.warning("prefill on %s gave up: %s", instance.address, exc)
                 last_fault = self._failed_on(spec, instance)
                 usage.retries += 1
@@ -318,10 +327,11 @@ class RequestFlow:
     ) -> pb.PrefillResponse:
         stub = self.clients.prefill(instance.address)
         with self.registry.track(instance, num_tokens):
+            call = stub.Prefill(request, timeout=self.config.prefill_timeout_s)
             try:
-                response = await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
+                response = await until_lost(instance, call)
             except BaseException as exc:
-                if isinstance(exc, asyncio.CancelledError) or _timed_out(exc):
+                if isinstance(exc, (asyncio.CancelledError, NodeLost)) or _timed_out(exc):
                     self._abort_later(instance, request.request_id, Role.PREFILL)
                 raise
         reason = response.finish_reason
@@ -376,7 +386,7 @@ class RequestFlow:
                 raise _NodeGaveUp("stream ended before the request finished")
             except grpc.aio.AioRpcError as exc:
                 last_fault = self._on_rpc_error(spec, instance, exc, "decode")
-            except _NodeGaveUp as exc:
+            except (_NodeGaveUp, NodeLost) as exc:
                 logger.warning("decode on %s gave up: %s", instance.address, exc)
                 self.registry.mark_failed(instance)
                 last_fault = self._failed_on(spec, instance)
@@ -394,10 +404,17 @@ class RequestFlow:
         self, instance: Instance, request: pb.DecodeRequest, state: SampleState
     ) -> AsyncGenerator[SampleDelta, None]:
         call = self.clients.decode(instance.address).Decode(request)
+        items = DecodeItems(
+            call,
+            instance,
+            lambda: self.registry.live_and_full(instance),
+            self.config.progress_timeout_s,
+            self.config.decode_stall_timeout_s,
+        )
         node_done = False  # the node ended the request itself (final item or end of stream)
         with self.registry.track(instance):
             try:
-                while (item := await self._next_item(call)) is not None:
+                while (item := await items.next()) is not None:
                     finish = finish_reason_from_proto(item.finish_reason)
                     node_done = finish is not None
                     stop_id = item.stop_token_id if item.HasField("stop_token_id") else None
@@ -410,24 +427,10 @@ class RequestFlow:
                         raise _NodeGaveUp(item.error_message or "aborted by the node")
                 node_done = True
             finally:
+                items.close()
                 if not node_done:  # stop string, client gone, stalled or failed node
                     call.cancel()
                     self._abort_later(instance, request.request_id, Role.DECODE)
-
-    async def _next_item(
-        self, call: grpc.aio.UnaryStreamCall[pb.DecodeRequest, pb.DecodeResponse]
-    ) -> pb.DecodeResponse | None:
-        """The stream's next item; None at its end. Raises _NodeGaveUp when it stalls.
-
-        ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` swallows a
-        cancellation that lands as the item arrives, and the flow of a client that left
-        would run on to ``max_tokens`` (seen with tens of requests abandoned at once)."""
-        try:
-            async with asyncio.timeout(self.config.decode_stall_timeout_s):
-                item = await call.read()
-        except TimeoutError:
-            raise _NodeGaveUp(f"no output for {self.config.decode_stall_timeout_s:g} s") from None
-        return None if item is grpc.aio.EOF else item
 
     # -- faults ------------------------------------------------------------------------------
     def _on_rpc_error(

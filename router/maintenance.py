@@ -1,4 +1,5 @@
-"""Background upkeep of the registry: expire silent instances, poll static ones.
+"""Background upkeep of the registry: expire silent instances, mark stalled ones (their streams
+move elsewhere), poll static ones.
 
 Static instances (``--prefill``/``--decode``) do not register, so the router asks them: once
 ``GetInfo`` for what they serve (the same checks as a registration: one that does not fit the
@@ -83,11 +84,28 @@ async def expire_silent(registry: Registry, clients: NodeClients) -> None:
             await clients.forget(instance.address)
 
 
+def report_stalled(registry: Registry) -> None:
+    """Mark the instances whose engine stopped making progress while holding requests (out of
+    routing; the flows streaming from them move their requests, ``router.flow``)."""
+    for instance, stalled_s in registry.mark_stalled():
+        logger.warning(
+            "%s instance %s at %s is stalled: its engine made no progress for %.1f s while it"
+            " held %d requests; out of routing, its requests move elsewhere",
+            instance.role.value,
+            instance.instance_id,
+            instance.address,
+            stalled_s,
+            instance.load.num_requests,
+        )
+
+
 async def run_maintenance(registry: Registry, clients: NodeClients, interval_s: float) -> None:
-    """Forever: expire, then poll, every ``interval_s`` seconds (cancel to stop)."""
+    """Forever: expire, mark stalled, then poll, every ``interval_s`` seconds (cancel to
+    stop)."""
     while True:
         try:
             await expire_silent(registry, clients)
+            report_stalled(registry)
             await poll_static(registry, clients, timeout_s=max(interval_s, 1.0))
         except Exception:  # keep the loop alive: one bad round must not stop upkeep
             logger.exception("registry maintenance failed")

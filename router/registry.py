@@ -16,9 +16,14 @@ block size (for prefix-affinity hashes) and its context limit from the instances
 (``block_size``, ``max_model_len``).
 
 An instance that fails a call (UNAVAILABLE, connection reset) is *suspect* for a short cooldown:
-balancers skip it, so one dead node costs each request at most one retry. Load used for
-balancing is the node's last report combined with what the router itself has in flight there
-(``inflight`` / ``inflight_tokens``), which is fresh between reports.
+balancers skip it, so one dead node costs each request at most one retry. One that holds
+requests while its engine loop stands still for ``progress_timeout_s`` is *stalled*
+(``pdserve_proto.progress``): out of routing and /ready until its loop turns again;
+:meth:`Registry.mark_stalled` *loses* it (``Instance.lose``: its ``on_lost`` callbacks run), by
+which the flows with calls on it move their requests elsewhere; so does dropping a silent
+instance. Load used for balancing is the node's last report combined with what the router
+itself has in flight there (``inflight`` / ``inflight_tokens``), which is fresh between
+reports.
 
 All methods are synchronous and run on the router's event loop; no locking.
 """
@@ -31,6 +36,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pdserve_proto.nodes import NodeInfo, NodeLoad, Role
+from pdserve_proto.progress import ProgressWatch
+
+FULL_KV_USAGE = 0.9  # a node this full may keep a request waiting for blocks (not stuck)
 
 
 @dataclass(eq=False)
@@ -50,15 +58,38 @@ class Instance:
     suspect_until_s: float = 0.0
     inflight: int = 0  # router requests in flight on this instance
     inflight_tokens: int = 0  # their prompt tokens
+    progress: ProgressWatch | None = None  # None: not watched (set by the registry)
+    lost: bool = False  # stalled or dropped: the calls running on it move elsewhere
+    # called once when it is lost (``lose``): each running call's way to give up at once
+    on_lost: set[Callable[[], None]] = field(default_factory=set)
+
+    def lose(self) -> None:
+        """Stalled or dropped: every call waiting on it is told (once)."""
+        if not self.lost:
+            self.lost = True
+            for callback in list(self.on_lost):
+                callback()
 
     def available(self, now_s: float) -> bool:
-        """Can take a new request: healthy, not draining, not suspect."""
-        return self.healthy and not self.load.draining and now_s >= self.suspect_until_s
+        """Can take a new request: healthy, not draining, not suspect, not stalled."""
+        return (
+            self.healthy
+            and not self.load.draining
+            and now_s >= self.suspect_until_s
+            and not self.stalled(now_s)
+        )
+
+    def stalled(self, now_s: float) -> bool:
+        """Holds requests while its engine loop stands still (``pdserve_proto.progress``)."""
+        return self.progress is not None and self.progress.stalled(now_s)
 
     def state(self, now_s: float) -> str:
-        """``ready`` | ``draining`` | ``suspect`` | ``unhealthy`` (for metrics and /health)."""
+        """``ready`` | ``draining`` | ``suspect`` | ``stalled`` | ``unhealthy`` (for metrics and
+        /health)."""
         if not self.healthy:
             return "unhealthy"
+        if self.stalled(now_s):
+            return "stalled"
         if now_s < self.suspect_until_s:
             return "suspect"
         return "draining" if self.load.draining else "ready"
@@ -93,13 +124,17 @@ class Registry:
         block_size: int | None = None,
         max_model_len: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        progress_timeout_s: float = 10.0,
     ) -> None:
         if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+        if progress_timeout_s <= 0:
+            raise ValueError("need progress_timeout_s > 0")
         self.model = model
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.suspect_cooldown_s = suspect_cooldown_s
+        self.progress_timeout_s = progress_timeout_s
         self.expected_block_size = block_size
         self.max_model_len_cap = max_model_len
         self._model_names = {model, *model_aliases}
@@ -131,10 +166,20 @@ class Registry:
         self._admit(instance_id, info, others=self._others(replaced))
         for old in replaced:
             del self._instances[old.instance_id]
-        instance = Instance(instance_id, role, address, info=info, load=load or NodeLoad())
-        instance.last_seen_s = self._clock()
+        instance = Instance(instance_id, role, address, info=info)
+        self._seen(instance, load or NodeLoad())
         self._instances[instance_id] = instance
         return instance
+
+    def _seen(self, instance: Instance, load: NodeLoad) -> None:
+        """A report from ``instance`` now: its load, its progress, and a stall that ended."""
+        now = instance.last_seen_s = self._clock()
+        instance.load = load
+        if instance.progress is None:
+            instance.progress = ProgressWatch(self.progress_timeout_s, now)
+        instance.progress.observe(load, now)
+        if instance.lost and not instance.stalled(now):
+            instance.lost = False  # live again: new calls may rely on it
 
     def _others(self, excluded: list[Instance]) -> list[Instance]:
         return [i for i in self._instances.values() if i.info is not None and i not in excluded]
@@ -169,7 +214,7 @@ class Registry:
         """Add an instance from the command line (never expires; polled for load/health, and
         once for its ``NodeInfo``)."""
         instance = Instance(f"static-{role.value}-{address}", role, address, static=True)
-        instance.last_seen_s = self._clock()
+        self._seen(instance, NodeLoad())
         self._instances[instance.instance_id] = instance
         return instance
 
@@ -184,9 +229,7 @@ class Registry:
         instance = self._instances.get(instance_id)
         if instance is None:
             return False
-        instance.last_seen_s = self._clock()
-        if load is not None:
-            instance.load = load
+        self._seen(instance, instance.load if load is None else load)
         instance.healthy = True
         return True
 
@@ -200,7 +243,31 @@ class Registry:
         dropped = [i for i in self._instances.values() if not i.static and i.last_seen_s < deadline]
         for instance in dropped:
             del self._instances[instance.instance_id]
+            instance.lose()
         return dropped
+
+    def mark_stalled(self) -> list[tuple[Instance, float]]:
+        """Instances that stalled since the last call, each with the seconds it has been
+        stalled (see the module doc); each is lost (``Instance.lose``), so the flows running
+        calls on it move their requests elsewhere."""
+        now = self._clock()
+        stalled = [i for i in self._instances.values() if i.stalled(now) and not i.lost]
+        for instance in stalled:
+            instance.lose()
+        return [(i, i.progress.stalled_for(now) if i.progress else 0.0) for i in stalled]
+
+    def live_and_full(self, instance: Instance) -> bool:
+        """Whether a request on ``instance`` that gets no token may just be waiting for a seat
+        or for blocks: the instance is still known, its loop turns, its last report is fresh,
+        and every seat is taken or its KV cache nearly full."""
+        now = self._clock()
+        current = self._instances.get(instance.instance_id)  # a re-registration replaces it
+        if current is None or current.stalled(now):
+            return False
+        if now - current.last_seen_s > self.progress_timeout_s:
+            return False
+        load = current.load
+        return load.num_running >= load.max_num_seqs > 0 or load.kv_usage >= FULL_KV_USAGE
 
     # -- the pool's layout -------------------------------------------------------------------
     def max_model_len(self) -> int | None:
@@ -230,8 +297,7 @@ class Registry:
         does not fit the pool)."""
         instance.healthy = load is not None
         if load is not None:
-            instance.load = load
-            instance.last_seen_s = self._clock()
+            self._seen(instance, load)
 
     # -- queries -----------------------------------------------------------------------------
     def get(self, instance_id: str) -> Instance | None:

@@ -108,6 +108,7 @@ def build_router(config: RouterConfig) -> Router:
         model_aliases=served.aliases | {served.name},
         block_size=config.block_size,
         max_model_len=config.max_model_len,
+        progress_timeout_s=config.progress_timeout_s,
     )
     for role, addresses in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
         for address in addresses:
@@ -137,6 +138,7 @@ def build_router(config: RouterConfig) -> Router:
             config.decode_stall_timeout_s,
             config.prefill_fallback,
             config.quarantine_after,
+            progress_timeout_s=config.progress_timeout_s,
         ),
         on_fallback=metrics.prefill_fallback,
     )

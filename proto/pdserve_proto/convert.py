@@ -287,11 +287,14 @@ def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
     return NodeInfo(msg.model, msg.fingerprint, msg.block_size, msg.max_model_len)
 
 
-def node_load_from_engine(stats: LoadStats | None, max_num_seqs: int, draining: bool) -> NodeLoad:
-    """The engine's part of a node's load (``stats`` None: the engine did not answer, zeros);
-    the frontend adds its latencies and rates (``node_frontend.stats``)."""
+def node_load_from_engine(
+    stats: LoadStats | None, max_num_seqs: int, draining: bool, num_requests: int = 0
+) -> NodeLoad:
+    """The engine's part of a node's load (``stats`` None: the engine never answered, zeros),
+    with the ``num_requests`` the frontend holds; the frontend adds its latencies and rates
+    (``node_frontend.stats``)."""
     if stats is None:
-        return NodeLoad(max_num_seqs=max_num_seqs, draining=draining)
+        return NodeLoad(max_num_seqs=max_num_seqs, draining=draining, num_requests=num_requests)
     return NodeLoad(
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
@@ -304,6 +307,8 @@ def node_load_from_engine(stats: LoadStats | None, max_num_seqs: int, draining: 
         spec_num_draft_tokens=stats.spec_num_draft_tokens,
         spec_num_accepted_tokens=stats.spec_num_accepted_tokens,
         draining=draining,
+        engine_steps=stats.engine_steps,
+        num_requests=num_requests,
     )
 
 

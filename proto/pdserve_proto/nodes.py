@@ -58,3 +58,7 @@ class NodeLoad:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # liveness: turns of the engine-core loop (monotonic over the engine's life) and the
+    # requests the node holds; a node holding requests whose steps stop moving is stuck
+    engine_steps: int = 0
+    num_requests: int = 0

@@ -158,7 +158,7 @@ class NodeInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "num_waiting", "num_running", "kv_usage", "num_free_blocks", "num_total_blocks", "queued_prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "draining", "max_num_seqs", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+    __slots__ = ("role", "num_waiting", "num_running", "kv_usage", "num_free_blocks", "num_total_blocks", "queued_prompt_tokens", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "prefill_tokens_per_s", "decode_tokens_per_s", "draining", "max_num_seqs", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "engine_steps", "num_requests")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,8 @@ class LoadReport(_message.Message):
     SPEC_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     num_waiting: int
     num_running: int
@@ -195,7 +197,9 @@ class LoadReport(_message.Message):
     spec_num_drafts: int
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    engine_steps: int
+    num_requests: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_tokens_per_s: _Optional[float] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., engine_steps: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -206,6 +207,75 @@ def test_stalled_decode_resumes_elsewhere() -> None:
         await wait_for(lambda: stalled.cancelled == stalled.seen == stalled.aborted)
 
     run(test, decode_stall_timeout_s=0.5)
+
+
+def test_a_decode_stream_with_no_token_for_the_progress_timeout_resumes_elsewhere() -> None:
+    """The per-token deadline: no item for --progress-timeout from a node the router cannot
+    see live and full (here: no report at all) moves the request at once, long before the
+    --decode-stall-timeout cap."""
+
+    async def test(h: Harness) -> None:
+        stalled, healthy = h.scripts("decode")
+        stalled.delay_s = 30.0
+        start = asyncio.get_running_loop().time()
+        tokens, _, usage = await generate(h, seed=6, max_tokens=5)
+        assert asyncio.get_running_loop().time() - start < 5.0
+        assert tokens == {0: fake_tokens(6, 5)} and usage.migrations == 1
+        assert list(healthy.requests[0].output_token_ids) == fake_tokens(6, 1)
+
+    run(test, progress_timeout_s=0.5)
+
+
+def test_a_stream_on_a_live_full_node_waits_past_the_deadline() -> None:
+    """A request that gets no token from a node whose engine turns and whose seats are all
+    taken may be queued there: it waits (up to --decode-stall-timeout) instead of moving."""
+
+    async def test(h: Harness) -> None:
+        for script in h.scripts("decode"):
+            script.delay_s = 0.7  # between items: over the 0.3 s deadline every time
+
+        async def heartbeats() -> None:
+            for steps in range(1000):
+                for name in ("decode-0", "decode-1"):
+                    load = NodeLoad(num_running=4, max_num_seqs=4, num_requests=5)
+                    h.router.registry.heartbeat(name, replace(load, engine_steps=steps))
+                await asyncio.sleep(0.05)
+
+        beating = asyncio.ensure_future(heartbeats())
+        try:
+            tokens, _, usage = await generate(h, seed=7, max_tokens=3)
+        finally:
+            beating.cancel()
+        assert tokens == {0: fake_tokens(7, 3)} and usage.migrations == 0
+
+    run(test, progress_timeout_s=0.3, decode_stall_timeout_s=10.0)
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_calls_on_a_lost_node_give_up_at_once(step: str) -> None:
+    """A node the registry marks stalled (or drops silent) is lost: a call waiting on it moves
+    to another instance then, not at its deadline."""
+
+    async def test(h: Harness) -> None:
+        stuck = h.scripts(step)[0]  # a fresh balancer picks instance 0 first
+        stuck.delay_s = 30.0
+
+        async def lose_when_seen() -> None:
+            await wait_for(lambda: bool(stuck.seen))
+            instance = h.router.registry.get(f"{step}-0")
+            assert instance is not None
+            instance.lose()
+
+        start = asyncio.get_running_loop().time()
+        losing = asyncio.ensure_future(lose_when_seen())
+        tokens, _, usage = await generate(h, seed=8, max_tokens=4)
+        await losing
+        assert asyncio.get_running_loop().time() - start < 5.0  # the deadline is 60 s
+        assert tokens == {0: fake_tokens(8, 4)}
+        assert (usage.retries, usage.migrations) == ((1, 0) if step == "prefill" else (0, 1))
+        await wait_for(lambda: stuck.cancelled == stuck.seen)
+
+    run(test, progress_timeout_s=60.0)
 
 
 def test_stop_string_ends_the_request_and_aborts_the_decode() -> None:

@@ -195,6 +195,37 @@ def test_stream_cancel_load_death_and_shutdown() -> None:
     assert multiprocessing.active_children() == []
 
 
+def test_engine_steps_count_the_loop_and_a_stopped_core_keeps_its_last_load() -> None:
+    """``engine_steps`` (the liveness count a node reports) moves while the core works; a
+    stopped core answers no load query, and its last answer stands (a node reports that)."""
+
+    async def go() -> None:
+        client = CoreClient(_config())
+        info = await client.start()
+        before = (await client.get_load()).engine_steps
+        await _collect(client, "a", GREEDY)
+        working = asyncio.create_task(_collect(client, "long", LONG))
+        while (load := await client.get_load()).num_running == 0:
+            await asyncio.sleep(0.01)
+        assert load.engine_steps > before
+        os.kill(info.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.2)  # whatever it sent before it stopped has arrived
+            stopped = client.last_load
+            with pytest.raises(asyncio.TimeoutError):
+                await client.get_load(timeout_s=0.5)
+            assert client.last_load is stopped
+        finally:
+            os.kill(info.pid, signal.SIGCONT)
+        assert (await client.get_load()).engine_steps > stopped.engine_steps  # type: ignore[union-attr]
+        working.cancel()
+        await asyncio.gather(working, return_exceptions=True)
+        await client.shutdown()
+
+    asyncio.run(go())
+    assert multiprocessing.active_children() == []
+
+
 async def _malformed_messages_leave_the_core_up(client: CoreClient) -> None:
     """Bytes that are no message are dropped; an ``AddRequest`` that does not decode (here: its
     sampling params fail validation, checked again in the core) is refused; the core serves on."""
