@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+from pdserve_proto.nodes import NodeLoad
 
 from launcher.gpus import GpuAllocator, check_tp_fits
 from launcher.processes import ManagedProcess, StartupError
 from launcher.supervisor import RestartBudgets, RestartPolicy, exit_cause
+from launcher.watchdog import LoadProbe, NodeWatch, WatchdogConfig, probe_all
 from router.autoscale.actuator import ActuatorError
 from router.autoscale.policy import Pool
 
@@ -90,6 +92,8 @@ class LocalNode:
         self.gpus = gpus  # what CUDA_VISIBLE_DEVICES names for it
         self.address: str | None = None
         self.stopping = False
+        self.watch: NodeWatch | None = None  # the watchdog's, from its first probe
+        self.hung: str | None = None  # why the watchdog killed it
 
     async def watch_start(self, timeout_s: float) -> None:
         """Record the address when ready; log (and leave for the reaper) a failed start."""
@@ -109,11 +113,18 @@ class LocalProcessActuator:
     Deployment keeps its replicas: a node that exits unexpectedly is replaced after a backoff
     (``restart``, see ``launcher.supervisor``; None: never), and a pool whose nodes keep exiting
     is given up (``gave_up``). ``current`` counts live nodes; a replacement the autoscaler asks
-    for before the backoff ends is not started twice."""
+    for before the backoff ends is not started twice. While it supervises, a node that hangs
+    (``launcher.watchdog``) is killed, and so replaced like one that exited."""
 
-    def __init__(self, launch: NodeLaunch, restart: RestartPolicy | None = RestartPolicy()) -> None:
+    def __init__(
+        self,
+        launch: NodeLaunch,
+        restart: RestartPolicy | None = RestartPolicy(),
+        watchdog: WatchdogConfig = WatchdogConfig(),
+    ) -> None:
         self.launch = launch
         self.restart = restart
+        self.watchdog = watchdog
         self.gave_up: set[Pool] = set()
         self._nodes: dict[Pool, list[LocalNode]] = {pool: [] for pool in Pool}
         self._wanted: dict[Pool, int] = {pool: 0 for pool in Pool}
@@ -121,6 +132,7 @@ class LocalProcessActuator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._respawns: set[asyncio.Task[None]] = set()
         self._watch: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._closed = False
         self._serial = itertools.count()
         self.gpus = GpuAllocator(launch.gpus)
@@ -132,6 +144,8 @@ class LocalProcessActuator:
             self._budgets = {pool: RestartBudgets(restart) for pool in Pool}
         if self._watch is None:
             self._watch = asyncio.ensure_future(self._watch_nodes())
+        if self._watchdog is None and self.watchdog.enabled:
+            self._watchdog = asyncio.ensure_future(self._run_watchdog())
 
     def nodes(self, pool: Pool) -> list[LocalNode]:
         """The pool's live nodes, oldest first (read-only view for callers)."""
@@ -169,7 +183,7 @@ class LocalProcessActuator:
     async def close(self) -> None:
         """Stop every node (in parallel, each draining) and wait for all of them."""
         self._closed = True
-        waiting = [self._watch, *self._respawns] if self._watch else list(self._respawns)
+        waiting = [t for t in (self._watch, self._watchdog) if t] + list(self._respawns)
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
@@ -220,7 +234,7 @@ class LocalProcessActuator:
         if self.restart is None or pool in self.gave_up or self._closed:
             logger.warning("%s exited unexpectedly (%s):\n%s", name, code, tail)
             return
-        cause = exit_cause(node.process)
+        cause = node.hung or exit_cause(node.process)
         delay = self._budgets[pool].failed(cause)
         if delay is None:
             self.gave_up.add(pool)
@@ -245,6 +259,35 @@ class LocalProcessActuator:
             await asyncio.sleep(interval_s)
             for pool in Pool:
                 self._reap(pool)
+
+    async def _run_watchdog(self) -> None:
+        """Probe every serving node each interval; kill the hung ones (``launcher.watchdog``)."""
+        probe = LoadProbe(self.watchdog.rpc_timeout_s)
+        try:
+            while True:
+                await asyncio.sleep(self.watchdog.interval_s)
+                serving = [(pool, n) for pool in Pool for n in self._nodes[pool] if n.address]
+                serving = [(pool, n) for pool, n in serving if not n.stopping and n.hung is None]
+                targets = [(pool, n.address or "") for pool, n in serving]
+                loads = await probe_all(probe, targets)
+                now = asyncio.get_running_loop().time()
+                for (_, node), load in zip(serving, loads):
+                    self._judge(node, load, now)
+                await probe.forget({address for _, address in targets})
+        finally:
+            await probe.close()
+
+    def _judge(self, node: LocalNode, load: NodeLoad | None, now_s: float) -> None:
+        """Kill ``node`` if the watchdog finds it hung (its exit is then replaced)."""
+        if node.watch is None:
+            node.watch = NodeWatch(self.watchdog.timeout_s, now_s)
+        why = node.watch.verdict(load, now_s)
+        if why is None or node.stopping or not node.process.alive:
+            return
+        node.hung = why
+        logger.error("%s at %s is %s: killing it (log %s)",
+                     node.process.name, node.address, why, node.process.log_path)  # fmt: skip
+        node.process.kill_group()
 
     def _background(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -81,6 +81,7 @@ from launcher.state import (
     write_state,
 )
 from launcher.supervisor import RestartPolicy, Supervised
+from launcher.watchdog import WatchdogConfig
 from router.autoscale.policy import Pool, PoolLimits
 
 DEMO_SLO = "ttft=500,tpot=50"  # the demo's SLOs when --slo is not given
@@ -183,7 +184,9 @@ class Cluster:
         self._start_router()
         self.phase(f"router starting (logs in {self.log_dir})")
         if not self.config.autoscale:  # at the same time: they dial the router's held port
-            self.nodes = LocalProcessActuator(self._launch(), restart=None)  # fail fast first
+            watchdog = WatchdogConfig(self.config.node_watchdog_s)
+            # fail fast first: no restarts (nor watchdog) before the cluster serves
+            self.nodes = LocalProcessActuator(self._launch(), restart=None, watchdog=watchdog)
             await self.nodes.scale(Pool.PREFILL, self.config.prefill)
             await self.nodes.scale(Pool.DECODE, self.config.decode)
             self.phase(
@@ -244,6 +247,7 @@ class Cluster:
             "--node-args", shlex.join(c.node_argv()), "--node-log-dir", str(self.log_dir),
             "--node-gpus", ",".join(c.gpu_ids()), "--node-drain-timeout", "30",
             "--prefill-tp", str(c.prefill_tp), "--decode-tp", str(c.decode_tp),
+            "--node-watchdog", f"{c.node_watchdog_s:g}",
         ]  # fmt: skip
 
     def _limits(self) -> tuple[PoolLimits, PoolLimits]:

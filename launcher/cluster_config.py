@@ -156,6 +156,7 @@ class ClusterConfig:
     node_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
+    node_watchdog_s: float = 30.0  # a node hung this long is killed and replaced (0: never)
     state_dir: str | None = None  # None: <cache dir>/clusters
     quiet: bool = False  # no progress lines while starting (scripts)
 
@@ -170,6 +171,8 @@ class ClusterConfig:
             raise ValueError("--prefill and --decode must be >= 1")
         if self.cpu_threads < 1 or self.demo_requests < 1 or self.startup_timeout_s <= 0:
             raise ValueError("--cpu-threads and --demo-requests must be >= 1, timeouts > 0")
+        if not self.node_watchdog_s >= 0:
+            raise ValueError("--node-watchdog must be >= 0 (0: off)")
         for pool, size in (("prefill", self.prefill_tp), ("decode", self.decode_tp)):
             check_tp_fits(pool, size, self.gpu_ids())
         if self.autoscale:
@@ -211,6 +214,7 @@ class ClusterConfig:
             redis_maxmemory=args.redis_maxmemory, node_args=tuple(shlex.split(args.node_args)),
             router_args=tuple(shlex.split(args.router_args)),
             startup_timeout_s=args.startup_timeout, state_dir=args.state_dir, quiet=args.quiet,
+            node_watchdog_s=args.node_watchdog,
         )  # fmt: skip
 
     def device_name(self) -> str:
@@ -385,6 +389,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--node-args", default="", help='more node flags, e.g. "--max-num-seqs 64"')
     a("--router-args", default="", help='more router flags, e.g. "--scale-down-delay 10"')
     a("--startup-timeout", type=float, default=d.startup_timeout_s, help="seconds per start")
+    a("--node-watchdog", type=float, default=d.node_watchdog_s,
+      help="kill and replace a node that holds requests while its engine makes no progress, or"
+           " that does not answer, for this long (s; 0: off; the router moves its requests"
+           " sooner, at its --progress-timeout)")  # fmt: skip
     a("--quiet", action="store_true", help="no progress lines while the cluster starts")
     a(
         "--state-dir",

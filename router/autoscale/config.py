@@ -44,6 +44,7 @@ class AutoscaleSettings:
     node_log_dir: str | None = None
     node_gpus: tuple[str, ...] = ()
     node_drain_timeout_s: float = 300.0
+    node_watchdog_s: float = 30.0  # local: a node hung this long is killed (0: never)
     compose: ComposeTarget | None = None  # --actuator compose (None: the defaults)
     kubernetes: KubernetesTarget | None = None  # --actuator kubernetes (None: in-cluster defaults)
 
@@ -70,6 +71,7 @@ class AutoscaleSettings:
             node_log_dir=args.node_log_dir,
             node_gpus=tuple(g for g in (args.node_gpus or "").split(",") if g.strip()),
             node_drain_timeout_s=args.node_drain_timeout,
+            node_watchdog_s=args.node_watchdog,
             compose=_compose(args) if args.actuator == "compose" else None,
             kubernetes=_kubernetes(args) if args.actuator == "kubernetes" else None,
         )
@@ -131,6 +133,7 @@ def build_actuator(
     """The configured actuator; local nodes register with ``router_grpc`` (presenting
     ``node_key``, passed in their environment) and serve ``model``."""
     from launcher import actuators
+    from launcher.watchdog import WatchdogConfig
 
     if settings.actuator == "compose":
         return actuators.ComposeActuator(settings.compose or actuators.ComposeTarget())
@@ -151,7 +154,8 @@ def build_actuator(
         decode_tp=settings.policy.decode_gpus,
         env={**os.environ, "PDSERVE_NODE_KEY": node_key} if node_key else None,
     )
-    return actuators.LocalProcessActuator(launch)
+    watchdog = WatchdogConfig(settings.node_watchdog_s)
+    return actuators.LocalProcessActuator(launch, watchdog=watchdog)
 
 
 def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,6 +196,9 @@ def add_autoscale_arguments(parser: argparse.ArgumentParser) -> None:
     a("--node-gpus", default="",
       help="local actuator: GPU ids, e.g. 0,1,2,3; each node gets its TP size of them")  # fmt: skip
     a("--node-drain-timeout", type=float, default=300.0, help="local: s a stopped node drains")
+    a("--node-watchdog", type=float, default=30.0,
+      help="local: kill and replace a node hung this long (engine stuck while it holds requests,"
+           " or no answer), s; 0: off")  # fmt: skip
     a("--compose-file", default=None, help="compose actuator: -f FILE")
     a("--compose-project", default=None, help="compose actuator: -p NAME")
     a("--compose-prefill-service", default="prefill")
