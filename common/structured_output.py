@@ -84,6 +84,19 @@ class GrammarCache:
         return future
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The spec's grammar; ValueError if it admits no output at all (a schema whose
+        ``$ref`` refers only to itself compiles, and would mask every token of every step)."""
+        grammar = self._compile_spec(spec)
+        matcher = xgr.GrammarMatcher(grammar)
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        if not matcher.is_terminated() and not bool(mask.any()):  # not even a stop token
+            raise ValueError(
+                "it admits no output at all (e.g. a $ref cycle with nothing else to match)"
+            )
+        return grammar
+
+    def _compile_spec(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         c = self._compiler
         if spec.json is not None:
             return c.compile_json_schema(

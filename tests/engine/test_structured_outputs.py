@@ -126,6 +126,9 @@ def test_unconstrained_batch_never_builds_a_mask(llm, monkeypatch):
         ({"json": '{"type": "nonsense"}'}, "nonsense"),
         ({"regex": "a(b"}, "parenthesis"),
         ({"grammar": "root ::= missing"}, "missing"),
+        # compiles, but matches nothing: every token of every step was masked ("token 0 off its
+        # grammar", an empty output) before the compiled grammar was tried once
+        ({"json": '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'}, "no output"),
     ],
 )
 def test_bad_spec_is_refused_and_engine_stays_up(llm, spec, words):
