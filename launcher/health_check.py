@@ -1,6 +1,7 @@
 """``pdserve health``: one probe for container healthchecks, exit status 0 when healthy.
 
     pdserve health --grpc 127.0.0.1:50061      # a node: grpc.health.v1 Check says SERVING
+    pdserve health --grpc 127.0.0.1:50061 --tls-ca ca.pem --tls-server-name NAME   # a TLS node
     pdserve health --http http://127.0.0.1:8000/health [--ready]   # the router: HTTP 200
                                                                    # (--ready: and a full pool)
 
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from router.node_clients import NodeTLS
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -30,13 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready", action="store_true",
                         help="--http: also require {'ready': true} (both pools have instances)")  # fmt: skip
     parser.add_argument("--service", default="", help="--grpc: health service name")
+    parser.add_argument("--tls-ca", help="--grpc: the node serves TLS; verify it with this CA")
+    parser.add_argument("--tls-server-name",
+                        help="--grpc: the name its certificate carries (default: the address)")  # fmt: skip
+    parser.add_argument("--tls-cert", help="--grpc: client certificate (a mutual-TLS node)")
+    parser.add_argument("--tls-key", help="--grpc: its private key")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         if args.grpc:
-            ok, detail = check_grpc(args.grpc, args.service, args.timeout)
+            ok, detail = check_grpc(args.grpc, args.service, args.timeout, tls_of(args))
         else:
             ok, detail = check_http(args.http, args.ready, args.timeout)
     except Exception as exc:  # any failure to ask is "unhealthy", never a traceback
@@ -45,12 +54,27 @@ def main(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def check_grpc(address: str, service: str, timeout_s: float) -> tuple[bool, str]:
+def tls_of(args: argparse.Namespace) -> NodeTLS | None:
+    """How to reach a node that serves TLS (the router's own `NodeTLS`), or None."""
+    from router.node_clients import NodeTLS  # grpc and the protos only: cheap
+
+    if not args.tls_ca:
+        return None
+    return NodeTLS.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+
+
+def check_grpc(
+    address: str, service: str, timeout_s: float, tls: NodeTLS | None = None
+) -> tuple[bool, str]:
     """(SERVING?, status name) of the standard gRPC health service at ``address``."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    if tls is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = grpc.secure_channel(address, tls.credentials(), options=tls.options())
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -12,10 +12,14 @@ import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from common.config import EngineConfig, check_bind_host, env_overrides
 from common.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import grpc
 
 PREFILL_PORT = 50061
 DECODE_PORT = 50071
@@ -55,6 +59,9 @@ class NodeOptions:
     router_tls_ca: str | None = None  # CA of a router serving TLS (enables TLS registration)
     router_tls_cert: str | None = None  # this node's certificate, for a mutual-TLS router
     router_tls_key: str | None = None
+    tls_cert: str | None = None  # serve TLS with this certificate (the router's --node-tls-ca)
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require client certificates signed by this CA (mTLS)
     node_key: str | None = None  # the router's node key (sent as Bearer with every call)
     max_queue: int = 1024  # requests admitted beyond max_num_seqs; over it: RESOURCE_EXHAUSTED
     drain_timeout: float = 30.0  # seconds to finish in-flight work after SIGTERM/SIGINT
@@ -88,6 +95,21 @@ class NodeOptions:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.drain_timeout < 0 or self.startup_timeout <= 0:
             raise ValueError("drain_timeout must be >= 0 and startup_timeout > 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert/--tls-key")
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """The TLS credentials of the node's port (None: plaintext)."""
+        import grpc
+
+        if not self.tls_cert or not self.tls_key:
+            return None
+        pair = (Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())
+        ca = Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca,
+                                           require_client_auth=ca is not None)  # fmt: skip
 
     def engine_config(self, kv_role: str) -> EngineConfig:
         """The engine of this node; its waiting bound never trips before the node's own."""
@@ -147,6 +169,9 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--router-tls-ca", str, "CA file of a router whose gRPC port serves TLS"),
     ("--router-tls-cert", str, "this node's certificate for a mutual-TLS router"),
     ("--router-tls-key", str, "this node's private key for a mutual-TLS router"),
+    ("--tls-cert", str, "serve TLS with this certificate (PEM; the router's --node-tls-ca)"),
+    ("--tls-key", str, "its private key (PEM)"),
+    ("--tls-client-ca", str, "require client certificates signed by this CA (mutual TLS)"),
     ("--node-key", str, "the router's node key (its --node-key or --api-key); prefer the env"),
     ("--max-queue", int, "requests admitted beyond --max-num-seqs (default 1024)"),
     ("--drain-timeout", float, "seconds to finish in-flight work on SIGTERM (default 30)"),

@@ -88,7 +88,11 @@ async def serve(options: NodeOptions, kind: NodeKind) -> int:
     kind.add_servicer(kind.make_servicer(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
     try:
-        port = server.add_insecure_port(f"{options.host}:{options.port}")
+        address, credentials = f"{options.host}:{options.port}", options.server_credentials()
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
         await server.start()
         if not await _start_core(runtime, signals):
             await server.stop(None)

@@ -67,6 +67,7 @@ class RouterConfig:
     node_tls_ca: str | None = None
     node_tls_cert: str | None = None
     node_tls_key: str | None = None
+    node_tls_server_name: str | None = None  # the name nodes' certificates carry (else: address)
     slo: SLOConfig = field(default_factory=SLOConfig)
     slo_window_s: float = 60.0
 
@@ -82,6 +83,8 @@ class RouterConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca needs --tls-cert/--tls-key")
+        if self.node_tls_server_name and not self.node_tls_ca:
+            raise ValueError("--node-tls-server-name needs --node-tls-ca")
         if (self.node_tls_cert or self.node_tls_key) and not self.node_tls_ca:
             raise ValueError("--node-tls-cert/--node-tls-key need --node-tls-ca")
         positive = ("max_inflight", "max_n", "max_body_bytes", "max_header_bytes", "max_json_depth")
@@ -185,6 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--node-tls-ca", default=None, help="verify nodes with this CA (TLS towards nodes)")
     a("--node-tls-cert", default=None, help="client certificate towards nodes")
     a("--node-tls-key", default=None, help="its private key")
+    a("--node-tls-server-name", default=None,
+      help="verify every node's certificate for this name, not its address (nodes advertise"
+           " addresses no certificate names: container IPs)")  # fmt: skip
     a("--slo", default="", help="SLOs in ms, e.g. ttft=500,tpot=50,itl=200,e2e=10000")
     a("--slo-window", dest="slo_window_s", type=float, default=d.slo_window_s)
     _apply_env_overrides(parser)

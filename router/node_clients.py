@@ -25,21 +25,37 @@ _CHANNEL_OPTIONS = [
 
 @dataclass(frozen=True)
 class NodeTLS:
-    """TLS towards the nodes: ``ca`` verifies them; ``cert``+``key`` is our client identity."""
+    """TLS towards the nodes: ``ca`` verifies them; ``cert``+``key`` is our client identity;
+    ``server_name``, when set, is the name every node's certificate is checked for (instead of
+    the address it advertised)."""
 
     ca: bytes
     cert: bytes | None = None
     key: bytes | None = None
+    server_name: str | None = None
 
     @classmethod
-    def from_files(cls, ca: str, cert: str | None = None, key: str | None = None) -> NodeTLS:
+    def from_files(
+        cls,
+        ca: str,
+        cert: str | None = None,
+        key: str | None = None,
+        server_name: str | None = None,
+    ) -> NodeTLS:
         if (cert is None) != (key is None):
             raise ValueError("--node-tls-cert and --node-tls-key go together")
         return cls(
             ca=Path(ca).read_bytes(),
             cert=Path(cert).read_bytes() if cert else None,
             key=Path(key).read_bytes() if key else None,
+            server_name=server_name,
         )
+
+    def options(self) -> list[tuple[str, object]]:
+        """Channel options: the name to verify, when it is not the address."""
+        if self.server_name is None:
+            return []
+        return [("grpc.ssl_target_name_override", self.server_name)]
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
@@ -62,7 +78,7 @@ class NodeClients:
                 channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
             else:
                 channel = grpc.aio.secure_channel(
-                    address, self._tls.credentials(), options=_CHANNEL_OPTIONS
+                    address, self._tls.credentials(), options=_CHANNEL_OPTIONS + self._tls.options()
                 )
             self._channels[address] = channel
         return channel

@@ -114,7 +114,12 @@ def build_router(config: RouterConfig) -> Router:
         for address in addresses:
             registry.add_static(role, address)
     tls = (
-        NodeTLS.from_files(config.node_tls_ca, config.node_tls_cert, config.node_tls_key)
+        NodeTLS.from_files(
+            config.node_tls_ca,
+            config.node_tls_cert,
+            config.node_tls_key,
+            config.node_tls_server_name,
+        )
         if config.node_tls_ca
         else None
     )
