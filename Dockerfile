@@ -53,6 +53,7 @@ COPY proto proto
 COPY common common
 COPY kernels kernels
 COPY kv_store kv_store
+COPY kv_transfer kv_transfer
 COPY node_frontend node_frontend
 COPY prefill_node prefill_node
 COPY decode_node decode_node

@@ -30,7 +30,7 @@ from bench.slo import RequestRecord, SLOConfig, SLOReport, parse_slo, summarize
 from common.config import EngineConfig
 from common.core_client import CoreClient
 from common.sampling_params import SamplingParams
-from kv_store.connector import create_store_connector
+from kv_transfer.connector import create_store_connector
 
 
 @dataclass(frozen=True)

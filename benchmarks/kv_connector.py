@@ -44,7 +44,7 @@ from common.models.shapes import write_dummy_shape
 from common.request import Request
 from common.sampling_params import SamplingParams
 from common.step_outputs import SchedulerOutput
-from kv_store.connector import create_store_connector
+from kv_transfer.connector import create_store_connector
 
 GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 

@@ -41,7 +41,7 @@ from common.config import EngineConfig
 from common.core_client import CoreClient
 from common.engine import EngineCore
 from common.sampling_params import SamplingParams
-from kv_store.connector import create_store_connector
+from kv_transfer.connector import create_store_connector
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = dict(num_blocks=512, max_model_len=512, max_num_batched_tokens=256, cpu_threads=1)

@@ -199,7 +199,7 @@ class CoreClient:
         startup_timeout_s: float = 600.0,
     ) -> None:
         """``connector_factory``: handed to the engine in its process (picklable: a module-level
-        function such as ``kv_store.connector.create_store_connector``)."""
+        function such as ``kv_transfer.connector.create_store_connector``)."""
         self.config = config
         self.connector_factory = connector_factory
         self.startup_timeout_s = startup_timeout_s

@@ -154,7 +154,7 @@ class EngineCore:
         if factory is None:
             raise ValueError(
                 "kv_store is set but no connector factory was handed to the engine"
-                " (kv_store.connector.create_store_connector is the store's)"
+                " (kv_transfer.connector.create_store_connector is the store's)"
             )
         role = self.config.kv_role or "both"
         runner, exchange = self.runner, None

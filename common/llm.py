@@ -233,6 +233,6 @@ def _connector_factory(config: EngineConfig) -> ConnectorFactory | None:
     Imported only then: an engine without a store never loads the store clients."""
     if config.kv_store is None:
         return None
-    from kv_store.connector import create_store_connector
+    from kv_transfer.connector import create_store_connector
 
     return create_store_connector

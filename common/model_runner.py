@@ -277,9 +277,29 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult | None:
-        """Launch one step. Returns its sampled tokens (still on their way) or None."""
+        """Launch one step. Returns its sampled tokens (still on their way) or None.
+
+        With a connector the step runs inside its per-step calls, and its saves are handed
+        over once the step's sampling is launched (a tensor-parallel rank 0 collects them then:
+        between steps, when every rank is back in its loop); the tokens are returned only once
+        the prompts completing now are durable."""
         bind_device(self.device)  # another engine of this process may have bound its own
-        hidden, inputs = self._forward(out)
+        connector = self.connector
+        if connector is None:
+            return self._step(out, hooked=False)
+        assert isinstance(out.connector_meta, ConnectorMetadata)
+        connector.bind_connector_metadata(out.connector_meta)
+        connector.start_load_kv(self.kv_cache)
+        try:
+            result = self._step(out, hooked=connector.layer_work_pending())
+            connector.wait_for_save()
+        finally:
+            connector.clear_connector_metadata()
+        return result
+
+    def _step(self, out: SchedulerOutput, hooked: bool) -> StepResult | None:
+        """The model over the step's tokens, then its logits and samples."""
+        hidden, inputs = self._run_model(out, hooked)
         prompt = compute_prompt_logprobs(hidden, out.scheduled, self.model.compute_logits)
         if not inputs.num_logits_rows:  # a step of prompt chunks only: nothing sampled
             return StepResult(None, [], [], prompt_logprobs=prompt) if prompt else None
@@ -288,21 +308,6 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, rows, out.grammar_bitmask)
         self._remember(sampled.token_ids, owners, counts)
         return StepResult(sampled, rows, owners, counts, prompt)
-
-    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
-        """The model over the step's tokens, inside the connector's per-step calls."""
-        connector = self.connector
-        if connector is None:
-            return self._run_model(out, hooked=False)
-        assert isinstance(out.connector_meta, ConnectorMetadata)
-        connector.bind_connector_metadata(out.connector_meta)
-        connector.start_load_kv(self.kv_cache)
-        try:
-            result = self._run_model(out, hooked=connector.layer_work_pending())
-            connector.wait_for_save()
-        finally:
-            connector.clear_connector_metadata()
-        return result
 
     def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
         """``hooked``: the connector has per-layer work (no graph replay then)."""

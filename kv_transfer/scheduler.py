@@ -1,58 +1,37 @@
-"""``StoreConnector``: the KV connector contract over a ``KVStore`` (Redis, files, shm arena).
+"""The scheduler half of the store connector: decides, never moves bytes, never waits.
 
 Entries are one block × all layers: the payload of block ``b`` is
 ``kv_cache[:, :, b]`` laid out as ``(num_layers, 2, block_size, num_kv_heads, head_dim)``, keyed by
 the block's chained hash (``pdkv:{fingerprint}:{hash}``; a final partial prompt block adds its
 token count). docs/BENCHMARKS.md ("KV path") has the measurement behind that granularity.
 
-This module holds the scheduler half, which only decides: one batched existence check for how
-many prompt tokens a request can load, load specs for the blocks allocated to them, save specs
-for the prompt blocks a step completes, the KV handle when a request ends. The worker half, which
-moves the bytes, is ``kv_store/connector_worker.py``; ``create_store_connector`` wires both.
+It makes one batched existence check for how many prompt tokens a request can load, load specs
+for the blocks allocated to them, save specs for the prompt blocks a step completes, the KV
+handle when a request ends. The worker half, which moves the bytes, is ``kv_transfer/worker.py``;
+``kv_transfer/connector.py`` wires both.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import NamedTuple
-
-import torch
 
 from common.block_hash import prompt_block_hashes
 from common.kv_connector import KVConnectorScheduler
 from common.kv_interface import (
     ConnectorMetadata,
-    KVCacheSpec,
     KVHandle,
     LoadSpec,
     MatchedTokens,
     SaveSpec,
 )
-from common.parallel.block_exchange import BlockExchange
 from common.request import Request
 from common.step_outputs import SchedulerOutput
 from kv_store.base import KVStore
-from kv_store.connector_worker import StoreConnectorWorker
 from kv_store.entry import make_key
-from kv_store.url import open_store
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("producer", "consumer", "both")
-
-
-def kv_fingerprint(model_dir: Path, spec: KVCacheSpec) -> str:
-    """Layout fingerprint: model identity (its config.json) + dtype + block size + shape."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    ident = json.dumps(config, sort_keys=True) + f"|{spec.dtype}|{spec.block_size}"
-    ident += f"|{spec.num_layers}|{spec.num_kv_heads}|{spec.head_dim}"
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(model_dir).name)[:40]
-    return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def prompt_hashes(request: Request) -> list[bytes]:
@@ -232,25 +211,3 @@ class StoreConnectorScheduler(KVConnectorScheduler):
     def close(self) -> None:
         self._lookup_thread.shutdown(wait=True, cancel_futures=True)
         self.store.close()
-
-
-def create_store_connector(
-    url: str,
-    role: str,
-    model_dir: Path,
-    spec: KVCacheSpec,
-    device: torch.device,
-    exchange: BlockExchange | None = None,
-) -> tuple[StoreConnectorScheduler, StoreConnectorWorker]:
-    """Both halves of a store connector for ``url`` (``redis://…``, ``rediss://…``, ``file://…``).
-
-    ``spec``: the store's layout (every KV head); ``exchange``: under tensor parallelism, how
-    rank 0 reaches the other ranks' heads."""
-    if role not in ROLES:
-        raise ValueError(f"kv_role must be one of {ROLES}, got {role!r}")
-    fingerprint = kv_fingerprint(model_dir, spec)
-    size = spec.bytes_per_block  # every entry of a fingerprint has it (a shm arena's slot)
-    scheduler_store = open_store(url, fingerprint, payload_bytes=size)
-    worker_store = open_store(url, fingerprint, payload_bytes=size)  # a handle per side
-    sched = StoreConnectorScheduler(scheduler_store, fingerprint, spec.block_size, role, url)
-    return sched, StoreConnectorWorker(worker_store, spec, device, exchange=exchange)

@@ -68,9 +68,9 @@ class _Signals:
 
 
 def store_connector(*args):  # type: ignore[no-untyped-def]
-    """The engine's KV connector (``kv_store.connector.create_store_connector``), imported in
+    """The engine's KV connector (``kv_transfer.connector.create_store_connector``), imported in
     the engine-core process only: the frontend stays free of torch."""
-    from kv_store.connector import create_store_connector
+    from kv_transfer.connector import create_store_connector
 
     return create_store_connector(*args)
 

@@ -2,7 +2,7 @@
 inputs and samples), ranks 1…N-1 are worker processes that only run the forward pass.
 
 NOTE: the per-step protocol. Rank 0 prepares the step's flat host buffers as on one device
-(``common/step_inputs.py``) and broadcasts them on the gloo control group: a header of eight
+(``common/step_inputs.py``) and broadcasts them on the gloo control group: a header of nine
 int64s, then the used prefixes of the int64 and int32 buffers. Every rank then runs the same
 forward over its heads (two all-reduces a layer, one for the embedding) and the LM head on the
 rows to sample; rank 0 receives the gathered logits and samples, the others drop theirs. Only
@@ -17,8 +17,9 @@ rank k (worker)               recv header, int64, int32 → adopt → forward �
 Besides steps, rank 0 sends two KV operations for the store connector (it is the group's only
 store client, ``common/parallel/block_exchange.py``): *land* (blocks fetched from the store into
 every rank's heads) and *collect* (every rank's heads of blocks to save, gathered at rank 0); a
-header with the op and the block count, then the block ids, then the collective. A step's
-collects come between its forward and its LM head; ``_SAVED`` ends them.
+header with the op and the block count, then the block ids, then the collective. Both come
+between steps (lands when rank 0's connector reports finished loads, collects once a step's
+sampling is launched), so a worker's loop reads one op at a time: a step, a KV op, or stop.
 
 TP steps run eagerly (no CUDA graphs are captured). Overlapped scheduling works: a step's
 input ids that come from the previous step's samples (still on rank 0's device) are broadcast
@@ -70,14 +71,13 @@ from common.step_outputs import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-_STEP, _STOP, _LAND, _COLLECT, _SAVED = 0, 1, 2, 3, 4
-# op, tokens (KV ops: blocks), seqs, row stride, logits rows, max query len, max seq len,
-# whether the step has a store connector (then its collects, if any, and _SAVED follow the
-# forward: rank 0 saves before it computes logits), and the rows scored for prompt logprobs
-# (their ids follow the inputs; their LM head comes before the sampled rows', as on rank 0),
-# and whether input ids were filled on the device from the last step's samples (overlapped
-# scheduling: rank 0 then broadcasts its input ids on the device group, no host sync)
-_HEADER = 10
+_STEP, _STOP, _LAND, _COLLECT = 0, 1, 2, 3
+# op, tokens (KV ops: blocks), seqs, row stride, logits rows, max query len, max seq len, the
+# rows scored for prompt logprobs (their ids follow the inputs; their LM head comes before the
+# sampled rows', as on rank 0), and whether input ids were filled on the device from the last
+# step's samples (overlapped scheduling: rank 0 then broadcasts its input ids on the device
+# group, no host sync)
+_HEADER = 9
 TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
 STEP_TIMEOUT_S = TIMEOUT_S  # the longest a step (or a KV exchange) may wait on the group
 
@@ -119,7 +119,6 @@ class ParallelModelRunner(ModelRunner):
     def __init__(self, *args: Any, workers: list[Any], monitor: RankMonitor, **kwargs: Any) -> None:
         self.workers, self.monitor = workers, monitor
         self._closed = False
-        self._saving = False  # this step's forward is followed by the connector's saves
         super().__init__(*args, **kwargs)
         assert self.tp is not None
         self.rank_weight_bytes = _gather_weight_bytes(self, self.tp)
@@ -173,22 +172,12 @@ class ParallelModelRunner(ModelRunner):
         dist.broadcast(ids, 0, group=self._group.control_group)
         return ids.to(self.device)
 
-    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, StepInputs]:
-        self._saving = False
-        result = super()._forward(out)
-        if self._saving:  # the saves are collected (``wait_for_save``): the workers' LM head
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0] = _SAVED
-            dist.broadcast(header, 0, group=self._group.control_group)
-        return result
-
     def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
         assert not hooked, "under tensor parallelism the connector moves KV between steps"
         inputs = self.inputs.prepare(out.scheduled, self._prev_rows)
         if inputs.num_fill:  # overlapped: ids sampled by the step still running
             assert self._prev_sampled is not None
             self.inputs.fill_from(inputs, self._prev_sampled)
-        self._saving = self.connector is not None
         self._broadcast(inputs, prompt_rows(out.scheduled))
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         return hidden, inputs
@@ -206,7 +195,6 @@ class ParallelModelRunner(ModelRunner):
                 inputs.num_logits_rows,
                 meta.max_query_len,
                 meta.max_seq_len,
-                int(self._saving),
                 len(prompt),
                 int(inputs.num_fill > 0),
             ],
@@ -415,9 +403,7 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
     host64, host32 = buffers.last_host
     while True:
         dist.broadcast(header, 0, group=tp.control_group)
-        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, saving, scored, filled = (
-            header.tolist()
-        )
+        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, scored, filled = header.tolist()
         if op == _STOP:
             return
         if op != _STEP:
@@ -432,12 +418,6 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
         if filled:
             dist.broadcast(inputs.input_ids, 0, group=tp.device_group)
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
-        while saving:  # the step's saves, until rank 0 says they are all collected
-            dist.broadcast(header, 0, group=tp.control_group)
-            op, blocks = header[:2].tolist()
-            if op == _SAVED:
-                break
-            _kv_op(runner, tp, op, blocks)
         if scored:  # prompt logprobs first, as rank 0 computes them
             runner.model.lm_head(hidden.index_select(0, prompt.to(runner.device)))
         if rows:

@@ -140,7 +140,7 @@ def test_check_integrity_catches_leaks():
 
 def test_prompt_block_hashes_match_the_requests():
     from common.block_hash import prompt_block_hashes
-    from kv_store.connector import prompt_hashes
+    from kv_transfer.scheduler import prompt_hashes
 
     for n in (3, 8, 13):
         tokens = list(range(100, 100 + n))

@@ -23,8 +23,8 @@ from common.kv_interface import ConnectorMetadata, KVCacheSpec, LoadSpec
 from common.parallel.executor import ParallelModelRunner, TensorParallelError
 from common.parallel.monitor import RankMonitor
 from kv_store import FileStore
-from kv_store.connector_worker import StoreConnectorWorker
-from kv_store.staging import RingClosed
+from kv_transfer.staging import RingClosed
+from kv_transfer.worker import StoreConnectorWorker
 
 ENGINE_ARGS = dict(num_blocks=64, block_size=8, cpu_threads=1, max_model_len=256)
 PROMPTS = [[1, 5, 9, 33, 2, 7], list(range(100, 140))]
@@ -262,7 +262,7 @@ def test_connector_threads_and_ranks_released(tmp_path):
     _assert_released(pids)
     assert _kv_threads() == []
     with pytest.raises(RingClosed):  # the staging memory is given back
-        worker.save_ring.acquire()
+        worker.saver.ring.acquire()
     with LLM(kv_store=url, **ENGINE_ARGS) as again:  # the store outlives its engines
         assert _tokens(again) == first
 
@@ -279,7 +279,8 @@ def test_close_does_not_wait_for_a_reader_blocked_on_staging(tmp_path):
         slot_bytes=spec.bytes_per_block,
         read_in_place=False,
     )
-    held = worker.load_ring.acquire()  # the only slot
+    ring = worker.loader.ring
+    held = ring.acquire()  # the only slot
     worker.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r", ["k"], [3], [4])]))
     worker.start_load_kv(torch.zeros(2, 2, 8, 4, 2, 8))
     time.sleep(0.2)  # the reader is now waiting for a slot
@@ -288,9 +289,9 @@ def test_close_does_not_wait_for_a_reader_blocked_on_staging(tmp_path):
     closer.join(timeout=10)
     assert not closer.is_alive()
     assert not [t for t in threading.enumerate() if t.name.startswith("kv-")]
-    worker.load_ring.release(held)  # after close: dropped, not recycled
+    ring.release(held)  # after close: dropped, not recycled
     with pytest.raises(RingClosed):
-        worker.load_ring.acquire()
+        ring.acquire()
 
 
 @pytest.mark.timeout(120)

@@ -3,6 +3,7 @@ token, and the output equals one colocated engine — also when the store misbeh
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -12,8 +13,9 @@ import torch
 from common.config import EngineConfig
 from common.engine import EngineCore
 from common.sampling_params import SamplingParams
-from kv_store.connector import create_store_connector
 from kv_store.entry import make_key
+from kv_transfer.connector import create_store_connector
+from kv_transfer.loader import InPlaceLoader
 
 BS = 16
 PROMPT_LENS = (5, 16, 100)  # shorter than a block, exactly a block, many blocks
@@ -55,9 +57,10 @@ def run(engine: EngineCore, requests) -> dict[str, dict]:
     return res
 
 
-def engine(url: str | None = None, role: str | None = None) -> EngineCore:
+def engine(url: str | None = None, role: str | None = None, **connector_options) -> EngineCore:
     config = EngineConfig.from_kwargs(**ENGINE_ARGS, kv_store=url, kv_role=role)
-    return EngineCore(config, create_store_connector if url else None)
+    factory = functools.partial(create_store_connector, **connector_options)
+    return EngineCore(config, factory if url else None)
 
 
 @pytest.fixture(scope="module")
@@ -279,14 +282,13 @@ def test_loaded_kv_lands_layer_by_layer(tmp_path, colocated):
     yet for the last layer."""
     url = f"file://{tmp_path}/kv"
     ps = prompts((64,), seed=31)
-    consumer = engine(url, "consumer")
+    consumer = engine(url, "consumer", read_in_place=False)  # the CPU default reads in place
     worker = consumer.runner.connector
-    worker.read_in_place = False  # the CPU default reads straight into the cache
     real_wait = worker.wait_for_layer_load
     seen = []
 
     def wait(layer):
-        landed = [torch.tensor(item.block_ids) for item in worker._landing]
+        landed = [torch.tensor(item.block_ids) for item in worker.loader.landing]
         real_wait(layer)
         if layer == 0 and landed:
             cache = consumer.runner.kv_cache
@@ -315,8 +317,8 @@ def test_in_place_load_of_an_aborted_request_stops_before_its_blocks_are_reused(
     producer.close()
     consumer = engine(url, "consumer")
     worker = consumer.runner.connector
-    assert worker.read_in_place
-    worker.per_slot = 2  # several reads per request
+    assert isinstance(worker.loader, InPlaceLoader)
+    worker.loader.per_slot = 2  # several reads per request
     store, events = worker.store, []
     real_get, gate = store.get_many_into, threading.Event()
 
@@ -359,7 +361,7 @@ def test_a_reader_bug_costs_a_recompute_not_a_hang(tmp_path, colocated, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the reader")
 
-    monkeypatch.setattr(worker, "_get_items", broken)
+    monkeypatch.setattr(worker.loader, "_get_items", broken)
     tokens, _, rest, _ = disaggregated(url, ps, True, consumer=consumer)
     assert tokens == reference(colocated, ps, True)
     assert all(r["loaded"] == 0 for r in rest.values())

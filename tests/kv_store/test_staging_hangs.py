@@ -10,12 +10,11 @@ import threading
 import pytest
 import torch
 
-import kv_store.connector_worker as connector_worker
+import kv_transfer.saver as saver
 from common import LLM, SamplingParams
-from common.kv_connector import ConnectorMetadata, LoadSpec, SaveSpec
-from common.model_runner import KVCacheSpec
+from common.kv_interface import ConnectorMetadata, KVCacheSpec, LoadSpec, SaveSpec
 from kv_store import FileStore
-from kv_store.connector_worker import StoreConnectorWorker
+from kv_transfer.worker import StoreConnectorWorker
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 FP = "staging-test"
@@ -74,7 +73,7 @@ def test_a_step_saving_more_blocks_than_the_ring_holds_completes(tmp_path, caplo
     cache = torch.randn(_cache().shape)
     keys = [f"k{i}" for i in range(6)]
     spec = SaveSpec("r", keys, list(range(6)), [SPEC.block_size] * 6, final=True)
-    with caplog.at_level(logging.WARNING, logger=connector_worker.__name__):
+    with caplog.at_level(logging.WARNING, logger=saver.__name__):
         _bounded(lambda: _save_step(worker, cache, spec))
     assert "grew to 6 slots" in caplog.text
     assert worker.store.contains_many(keys) == [True] * 6
@@ -96,7 +95,7 @@ def _load_all(worker: StoreConnectorWorker, cache: torch.Tensor, meta: Connector
     def drain() -> None:
         while not wanted <= done:
             done.update(worker.get_finished(set())[1])
-            if worker._landing:  # a forward pass lands them (the staged path)
+            if worker.loader.layer_work_pending():  # a forward pass lands them (staged)
                 for layer in range(SPEC.num_layers):
                     worker.wait_for_layer_load(layer)
 
@@ -107,7 +106,7 @@ def test_loads_of_ended_requests_give_their_staging_slots_back(tmp_path):
     """Staged path: four loaded requests end between their last part arriving and the next
     forward pass; their slots used to stay taken, and every later load waited forever."""
     worker = _worker(tmp_path, read_in_place=False)
-    worker.load_ring.ensure_slots(4)
+    worker.loader.ring.ensure_slots(4)
     cache = torch.randn(_cache().shape)
     keys = [f"e{i}" for i in range(5)]
     spec = SaveSpec("p", keys, list(range(5)), [SPEC.block_size] * 5, final=True)
@@ -124,9 +123,9 @@ def test_loads_of_ended_requests_give_their_staging_slots_back(tmp_path):
             done.update(worker.get_finished(set())[1])
 
     _bounded(until_all_fetched)
-    assert len(worker._landing) == 4  # all four wait for a forward pass that never comes
+    assert len(worker.loader.landing) == 4  # all four wait for a forward pass that never comes
     worker.get_finished({f"gone{i}" for i in range(4)})  # they end (abort, disconnect)
-    assert worker._landing == []
+    assert worker.loader.landing == []
     assert torch.equal(target[:, :, 10:14], _cache(fill=-1.0)[:, :, 10:14])  # never landed
     # a fifth load needs a slot: it must complete, into its own block only
     fifth = ConnectorMetadata(loads=[LoadSpec("new", [keys[4]], [20], [SPEC.block_size])])

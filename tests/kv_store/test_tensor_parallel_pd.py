@@ -33,7 +33,7 @@ def _offline_cache(tmp_path_factory):
 
 
 def make(model: str, url: str | None, tp: int) -> EngineCore:
-    from kv_store.connector import create_store_connector
+    from kv_transfer.connector import create_store_connector
 
     config = EngineConfig.from_kwargs(
         model=model, kv_store=url, kv_role="both" if url else None, tensor_parallel_size=tp, **ARGS

@@ -37,7 +37,7 @@ from common.kv_interface import KVHandle
 from common.request import TokenLogprobs
 from common.sampling_params import SamplingParams, child_seed
 from common.step_outputs import EngineCoreOutput
-from kv_store.connector import create_store_connector
+from kv_transfer.connector import create_store_connector
 from tests.services.nodes import Pair, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
