@@ -71,7 +71,8 @@ RUN if [ "$WHEELHOUSE" = 1 ]; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/whe
 # The source tree is the import root, as in development (`python -m launcher.health_check` works).
 ENV PYTHONPATH=/opt/pdserve:/opt/pdserve/proto \
     PDSERVE_CACHE_DIR=/cache
-RUN useradd --create-home --uid 10001 pdserve && mkdir -p /cache && chown pdserve /cache
+# /kv: where a shared-file KV store volume is mounted (a named volume takes this owner)
+RUN useradd --create-home --uid 10001 pdserve && mkdir -p /cache /kv && chown pdserve /cache /kv
 USER pdserve
 
 EXPOSE 8000 50051 50061 50071

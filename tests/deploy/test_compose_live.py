@@ -14,6 +14,7 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,6 +239,68 @@ def test_a_crash_under_16_streams_loses_and_changes_nothing(
     tally = load.tally(killed)
     ROWS.append((f"crash of {service}", replicas, tally, recovered - killed))
     assert tally.requests > 0 and tally.bad == 0, (why, tally)
+
+
+# -- a shared-file store, TLS to the nodes, an API key --------------------------------------------
+
+API_KEY = "compose-test-key"
+
+
+def secured(project: ComposeProject, tls_dir: Path) -> ComposeProject:
+    """The project with tests/deploy/compose.secure.yaml: the file store on a named volume, TLS
+    between the router and the nodes, the API key at the published port."""
+    env = {**project.env, "PDSERVE_TLS_DIR": str(tls_dir), "PDSERVE_API_KEY": API_KEY}
+    return ComposeProject(project.name, env, ("tests/deploy/compose.secure.yaml",),
+                          project.http_port, project.grpc_port)  # fmt: skip
+
+
+def in_container(container: str, *argv: str) -> tuple[int, str]:
+    done = subprocess.run(["docker", "exec", container, *argv], capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+    return done.returncode, (done.stdout + done.stderr).strip()
+
+
+def test_tls_a_shared_file_store_and_an_api_key(
+    project: ComposeProject, expected: list[str], tmp_path: Path
+) -> None:
+    """The nodes recreated on the shared-file store (a named volume in every node container),
+    serving mutual TLS to the router across containers (certificates made here), with the API
+    key at the published port: the offline engine's tokens (so the same as over Redis), entries
+    written by prefill and read by decode through the volume, a plaintext or certificate-less
+    caller refused by a node, a client without the key refused by the router."""
+    from tests.router.test_grpc_api import _write_pki
+
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    for path in _write_pki(tls_dir).values():
+        path.chmod(0o644)  # the containers' user (uid 10001) reads them
+    tls_dir.chmod(0o755)
+    secure = secured(project, tls_dir)
+    start = time.monotonic()
+    secure.up("--scale", "decode=2")  # a changed configuration: every pdserve container anew
+    secure.wait_instances(prefill=1, decode=2, timeout_s=READY_S)
+    ready = time.monotonic() - start
+    keyed = openai.OpenAI(base_url=f"{project.base_url}/v1", api_key=API_KEY, max_retries=0,
+                          timeout=120)  # fmt: skip
+    texts = [
+        keyed.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                 temperature=0.0, extra_body={"ignore_eos": True}).choices[0].text
+        for prompt in PROMPTS
+    ]  # fmt: skip
+    assert texts == expected
+    with pytest.raises(openai.AuthenticationError):
+        client(project).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    decode = secure.containers("decode")[0]
+    entry_files = "find /kv -type f -regextype posix-extended -regex '.*/[0-9a-f]{32}' | wc -l"
+    code, entries = in_container(decode, "sh", "-c", entry_files)
+    assert code == 0 and int(entries) > 0, entries  # what prefill saved, seen from decode
+    probe = ["python", "-m", "launcher.health_check", "--grpc", "127.0.0.1:50071"]
+    tls = ["--tls-ca", "/tls/ca.pem", "--tls-server-name", "localhost"]
+    client_cert = ["--tls-cert", "/tls/client.pem", "--tls-key", "/tls/client-key.pem"]
+    assert in_container(decode, *probe, *tls, *client_cert)[0] == 0
+    assert in_container(decode, *probe, *tls)[0] != 0  # mutual TLS: no certificate, no call
+    assert in_container(decode, *probe)[0] != 0  # plaintext
+    ROWS.append(("TLS + file store + API key", "1 prefill, 2 decode", None, ready))
 
 
 # -- the router's compose actuator ----------------------------------------------------------------
