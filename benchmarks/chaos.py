@@ -250,7 +250,7 @@ async def run_chaos(up: object, url: str, expected: list[str], streams: int = 8,
     """Load on ``url`` while each of ``faults`` is SIGKILLed in turn (``up``: the harness's
     UpProcess, for its tag); the baseline row first (``fault="none"``)."""
     tag: str = up.tag  # type: ignore[attr-defined]
-    found = re.search(r"redis://(127\.0\.0\.1:\d+)", up.output)  # type: ignore[attr-defined]
+    found = re.search(r"redis://(?:[^@\s]*@)?(127\.0\.0\.1:\d+)", up.output)  # type: ignore[attr-defined]
     redis = found.group(1) if found else "-"
     full = {"prefill": 1, "decode": 2}
     outcomes: list[Outcome] = []

@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class NodeLaunch:
     """How the local actuator starts a node: ``python -m pdserve_cli prefill|decode`` on
-    127.0.0.1, an ephemeral port, registering with ``router``. ``extra_args`` go last (engine
+    127.0.0.1, an ephemeral port, registering with ``router``; ``kv_store`` goes through its
+    environment (``PDSERVE_KV_STORE``: a URL may carry a password). ``extra_args`` go last (engine
     flags such as ``--device cpu --cpu-threads 1``). A pool's nodes run at its tensor-parallel
     size (``prefill_tp``/``decode_tp``); with ``gpus``, each node's ``CUDA_VISIBLE_DEVICES``
     names that many distinct GPUs, the least used (``launcher/gpus.py``)."""
@@ -76,7 +77,7 @@ class NodeLaunch:
         return [
             self.python, "-m", "pdserve_cli", pool.value,
             "--host", "127.0.0.1", "--port", "0",
-            "--router", self.router, "--kv-store", self.kv_store, "--model", self.model,
+            "--router", self.router, "--model", self.model,
             "--drain-timeout", f"{self.drain_timeout_s:g}",
             "--startup-timeout", f"{self.startup_timeout_s:g}",
             *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
@@ -198,6 +199,7 @@ class LocalProcessActuator:
         serial = next(self._serial)
         name = f"{pool.value}-{serial}"
         env = dict(os.environ if self.launch.env is None else self.launch.env)
+        env["PDSERVE_KV_STORE"] = self.launch.kv_store  # a URL may carry a password: not argv
         gpus = self.gpus.acquire(self.launch.tp_size(pool))
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)

@@ -54,7 +54,7 @@ import httpx
 
 from launcher.actuators import LocalProcessActuator, NodeLaunch
 from launcher.cluster_config import ClusterConfig, add_arguments, check_model
-from launcher.local_store import restart_redis, start_kv_store
+from launcher.local_store import restart_redis, shown, start_kv_store
 from launcher.ports import (
     HeldPort,
     PortInUse,
@@ -180,7 +180,7 @@ class Cluster:
         self.kv_url, self.redis = await start_kv_store(
             self.config, self.workdir, self.log_dir, self._env()
         )
-        self.phase(f"KV store {self.kv_url}")
+        self.phase(f"KV store {shown(self.kv_url)}")
         self._start_router()
         self.phase(f"router starting (logs in {self.log_dir})")
         if not self.config.autoscale:  # at the same time: they dial the router's held port
@@ -209,6 +209,8 @@ class Cluster:
         env = self._env()
         if self.config.api_key:  # through the environment: argv is readable by every user
             env["PDSERVE_API_KEY"] = env["PDSERVE_NODE_KEY"] = self.config.api_key
+        if self.config.autoscale:  # the store URL of the nodes it starts (it may hold a password)
+            env["PDSERVE_NODE_KV_STORE"] = self.kv_url
         self.router = ManagedProcess(
             "router", self._router_argv(), self.log_dir / "router.log", env
         )
@@ -243,7 +245,7 @@ class Cluster:
             "--prefill-initial", str(prefill.start),
             "--decode-min", str(decode.minimum), "--decode-max", str(decode.maximum),
             "--decode-initial", str(decode.start),
-            "--node-kv-store", self.kv_url, "--node-model", c.model,
+            "--node-model", c.model,
             "--node-args", shlex.join(c.node_argv()), "--node-log-dir", str(self.log_dir),
             "--node-gpus", ",".join(c.gpu_ids()), "--node-drain-timeout", "30",
             "--prefill-tp", str(c.prefill_tp), "--decode-tp", str(c.decode_tp),
@@ -443,7 +445,7 @@ class Cluster:
             f"pdserve cluster up: {c.model} on {c.device_name()}, {self._pools()}",
             f"  OpenAI HTTP  {self.http_url}/v1   (/health, /ready, /metrics, /slo)",
             f"  gRPC         {c.host}:{self.grpc_port}   (pdserve.v1.RouterService/Generate)",
-            f"  KV store     {self.kv_url}",
+            f"  KV store     {shown(self.kv_url)}",
             f"  logs         {self.log_dir}",
             f"  try: {self._curl()}",
         ]

@@ -115,6 +115,21 @@ class EngineFlags:
         return argv
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, or the first line of ``--api-key-file`` (not both)."""
+    if args.api_key_file is None:
+        return args.api_key
+    if args.api_key is not None:
+        raise ValueError("--api-key and --api-key-file: give one")
+    try:
+        lines = Path(args.api_key_file).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--api-key-file: {exc}") from None
+    if not lines or not lines[0].strip():
+        raise ValueError(f"--api-key-file {args.api_key_file}: no key on its first line")
+    return lines[0].strip()
+
+
 def _port(given: int | None, default: int) -> int:
     if given is not None and not 0 <= given < 65536:
         raise ValueError(f"ports are in [0, 65536), got {given}")
@@ -202,7 +217,7 @@ class ClusterConfig:
             kv_store_capacity=args.kv_store_capacity, host=args.host,
             port=_port(args.port, 0 if free_ports else d.port),
             grpc_port=_port(args.grpc_port, 0 if free_ports else d.grpc_port),
-            api_key=args.api_key, served_model_name=tuple(args.served_model_name or ()),
+            api_key=_api_key(args), served_model_name=tuple(args.served_model_name or ()),
             engine=EngineFlags.from_args(args), device=args.device, cpu_threads=args.cpu_threads,
             gpus=tuple(g.strip() for g in (args.gpus or "").split(",") if g.strip()),
             prefill_tp=_first(args.prefill_tp, both_tp, d.prefill_tp),
@@ -359,7 +374,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"router gRPC port (default {d.grpc_port}; with --demo a free one; 0: any free port)",
     )
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' at the router")
+    a(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' at the router"
+        " (visible to every user in ps: prefer --api-key-file)",
+    )
+    a(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="--api-key read from this file (its first line), kept out of the command line",
+    )
     a("--served-model-name", nargs="+", default=None,
       help="the model's names in the API, the first in responses (default --model)")  # fmt: skip
     add_engine_arguments(parser)

@@ -4,7 +4,9 @@
   /dev/shm), of ``--kv-store-capacity`` bytes at most a quarter of that filesystem: the shm arena
   is allocated up front. The nodes create the store in it when they start.
 - ``redis``: a private ``redis-server`` on a free port of 127.0.0.1, persistence off,
-  ``--maxmemory`` (``--redis-maxmemory``) with ``allkeys-lru``.
+  ``--maxmemory`` (``--redis-maxmemory``) with ``allkeys-lru``, and a random password (in a
+  0600 config file, never on a command line: any local user could otherwise read and write the
+  KV entries). The URL carrying it reaches the nodes through their environment only.
 - a store URL: used as it is (and left alone at exit).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Mapping
@@ -36,37 +39,56 @@ async def start_kv_store(
     if spec != "redis":
         return spec, None
     held = HeldPort("127.0.0.1", PortSpec("private Redis", "--kv-store", 0))
+    password = secrets.token_hex(16)
     try:
-        redis = await _start_redis(config, workdir, log_dir, env, held.port)
+        redis = await _start_redis(config, workdir, log_dir, env, held.port, password)
     finally:
         held.release()
-    return f"redis://127.0.0.1:{held.port}/0", redis
+    return f"redis://:{password}@127.0.0.1:{held.port}/0", redis
 
 
 async def restart_redis(
     config: ClusterConfig, workdir: Path, log_dir: Path, env: Mapping[str, str], url: str
 ) -> ManagedProcess:
-    """The private redis-server of ``url`` again, on its port, empty (StartupError)."""
-    port = urlsplit(url).port
-    assert port is not None
-    return await _start_redis(config, workdir, log_dir, env, port)
+    """The private redis-server of ``url`` again, on its port and password, empty
+    (StartupError)."""
+    parts = urlsplit(url)
+    assert parts.port is not None and parts.password is not None
+    return await _start_redis(config, workdir, log_dir, env, parts.port, parts.password)
 
 
 async def _start_redis(
-    config: ClusterConfig, workdir: Path, log_dir: Path, env: Mapping[str, str], port: int
+    config: ClusterConfig,
+    workdir: Path,
+    log_dir: Path,
+    env: Mapping[str, str],
+    port: int,
+    password: str,
 ) -> ManagedProcess:
-    argv = [shutil.which("redis-server") or "redis-server", "--port", str(port),
+    conf = workdir / "redis.conf"
+    conf.touch(mode=0o600)
+    conf.write_text(f"requirepass {password}\n")
+    argv = [shutil.which("redis-server") or "redis-server", str(conf), "--port", str(port),
             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--maxmemory", config.redis_maxmemory,
             "--maxmemory-policy", "allkeys-lru", "--dir", str(workdir)]  # fmt: skip
     redis = ManagedProcess("redis", argv, log_dir / "redis.log", env)
     try:
-        await _wait_redis(redis, port, config.startup_timeout_s)
+        await _wait_redis(redis, port, password, config.startup_timeout_s)
     except BaseException:
         redis.kill_group()
         redis.proc.wait()
         raise
     return redis
+
+
+def shown(url: str) -> str:
+    """``url`` as printed and logged: its password, if any, starred out."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f":***@{host}").geturl()
 
 
 def store_bytes(directory: Path, asked: str) -> int:
@@ -78,18 +100,19 @@ def store_bytes(directory: Path, asked: str) -> int:
     return min(parse_size(asked), st.f_frsize * st.f_blocks // 4)
 
 
-async def _wait_redis(process: ManagedProcess, port: int, timeout_s: float) -> None:
-    """Until the private redis-server answers PING (StartupError if it exits first)."""
+async def _wait_redis(process: ManagedProcess, port: int, password: str, timeout_s: float) -> None:
+    """Until the private redis-server takes its password and answers PING (StartupError if it
+    exits first)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if not process.alive:
             raise StartupError(f"redis-server exited:\n{process.log_tail()}")
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"PING\r\n")
-            reply = await reader.readline()
+            writer.write(f"AUTH {password}\r\nPING\r\n".encode())
+            replies = [await reader.readline(), await reader.readline()]
             writer.close()
-            if reply.startswith(b"+PONG"):
+            if replies == [b"+OK\r\n", b"+PONG\r\n"]:
                 return
         except OSError:
             pass

@@ -51,7 +51,7 @@ def test_up_demo_with_a_private_redis(tmp_path: Path) -> None:
         up.kill()
         raise
     assert code == 0, f"{up.output}\n{up.logs()}"
-    assert re.search(r"KV store\s+redis://127\.0\.0\.1:\d+/0", up.output)
+    assert re.search(r"KV store\s+redis://:\*\*\*@127\.0\.0\.1:\d+/0", up.output)  # password hidden
     assert "== sample requests ==" in up.output
     assert "| TTFT |" in up.output and "| 6 | 0 |" in up.output  # 6 requests, 0 failed
     assert up.leftovers() == []
