@@ -264,7 +264,7 @@ class LocalProcessActuator:
 
     async def _run_watchdog(self) -> None:
         """Probe every serving node each interval; kill the hung ones (``launcher.watchdog``)."""
-        probe = LoadProbe(self.watchdog.rpc_timeout_s)
+        probe = LoadProbe(self.watchdog.rpc_timeout_s, self.watchdog.tls)
         try:
             while True:
                 await asyncio.sleep(self.watchdog.interval_s)

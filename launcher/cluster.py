@@ -184,7 +184,7 @@ class Cluster:
         self._start_router()
         self.phase(f"router starting (logs in {self.log_dir})")
         if not self.config.autoscale:  # at the same time: they dial the router's held port
-            watchdog = WatchdogConfig(self.config.node_watchdog_s)
+            watchdog = WatchdogConfig(self.config.node_watchdog_s, tls=self.config.node_tls())
             # fail fast first: no restarts (nor watchdog) before the cluster serves
             self.nodes = LocalProcessActuator(self._launch(), restart=None, watchdog=watchdog)
             await self.nodes.scale(Pool.PREFILL, self.config.prefill)

@@ -27,11 +27,15 @@ import os
 import shlex
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.slo import parse_slo
 from common.config import check_bind_host
 from launcher.gpus import check_tp_fits
 from router.autoscale.policy import PoolLimits
+
+if TYPE_CHECKING:
+    from router.node_clients import NodeTLS
 
 KV_STORES = ("shm", "file", "redis")
 KV_URL_SCHEMES = (
@@ -113,6 +117,21 @@ class EngineFlags:
             elif value is not None and value is not False:
                 argv += [flag, _DTYPES[value] if f.name == "dtype" else str(value)]
         return argv
+
+
+def _router_node_tls(router_args: tuple[str, ...]) -> NodeTLS | None:
+    """How the router reaches the nodes, from its ``--node-tls-*`` flags in ``--router-args``
+    (None: plaintext): `up`'s node watchdog reaches them the same way."""
+    from router.node_clients import NodeTLS
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag in ("--node-tls-ca", "--node-tls-cert", "--node-tls-key", "--node-tls-server-name"):
+        parser.add_argument(flag)
+    known, _ = parser.parse_known_args(list(router_args))
+    if not known.node_tls_ca:
+        return None
+    return NodeTLS.from_files(known.node_tls_ca, known.node_tls_cert, known.node_tls_key,
+                              known.node_tls_server_name)  # fmt: skip
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -284,6 +303,10 @@ class ClusterConfig:
         if self.kv_cache_gb is not None:
             return f"{2 * self.kv_cache_gb:g}GiB"
         return "1GiB" if self.device_name() == "cpu" else "4GiB"
+
+    def node_tls(self) -> NodeTLS | None:
+        """How the router reaches the nodes (its ``--node-tls-*`` in ``--router-args``)."""
+        return _router_node_tls(self.router_args)
 
     def router_argv(self) -> list[str]:
         """Serving flags the router gets (the API key goes through its environment)."""

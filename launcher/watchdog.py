@@ -28,6 +28,7 @@ from pdserve_proto.nodes import NodeLoad
 from pdserve_proto.progress import ProgressWatch
 
 from router.autoscale.policy import Pool
+from router.node_clients import NodeClients, NodeTLS
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class WatchdogConfig:
     timeout_s: float = 30.0
     interval_s: float = 1.0
     rpc_timeout_s: float = 3.0
+    tls: NodeTLS | None = None  # nodes serving TLS: reached as the router reaches them
 
     def __post_init__(self) -> None:
         if self.timeout_s < 0 or self.interval_s <= 0 or self.rpc_timeout_s <= 0:
@@ -77,15 +79,13 @@ class NodeWatch:
 class LoadProbe:
     """``GetLoad`` of nodes by address, over one channel per node (:meth:`forget` drops it)."""
 
-    def __init__(self, rpc_timeout_s: float) -> None:
+    def __init__(self, rpc_timeout_s: float, tls: NodeTLS | None = None) -> None:
         self.rpc_timeout_s = rpc_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._clients = NodeClients(tls)
 
     async def __call__(self, pool: Pool, address: str) -> NodeLoad | None:
         """The node's load, or None when it did not answer in time."""
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        channel = self._clients.channel(address)
         stub: pb_grpc.PrefillServiceStub | pb_grpc.DecodeServiceStub = (
             pb_grpc.PrefillServiceStub(channel)
             if pool is Pool.PREFILL
@@ -100,11 +100,12 @@ class LoadProbe:
 
     async def forget(self, keep: set[str]) -> None:
         """Close the channels of addresses not in ``keep``."""
-        for address in [a for a in self._channels if a not in keep]:
-            await self._channels.pop(address).close()
+        for address in self._clients.addresses():
+            if address not in keep:
+                await self._clients.forget(address)
 
     async def close(self) -> None:
-        await self.forget(set())
+        await self._clients.close()
 
 
 async def probe_all(probe: LoadProbe, targets: list[tuple[Pool, str]]) -> list[NodeLoad | None]:

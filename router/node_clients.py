@@ -70,6 +70,11 @@ class NodeClients:
         self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
+    @property
+    def tls(self) -> NodeTLS | None:
+        """How nodes are reached (None: plaintext); the local actuator's watchdog does the same."""
+        return self._tls
+
     def channel(self, address: str) -> grpc.aio.Channel:
         """The (cached) channel to ``address`` (host:port)."""
         channel = self._channels.get(address)
@@ -91,6 +96,10 @@ class NodeClients:
 
     def health(self, address: str) -> health_pb2_grpc.HealthStub:
         return health_pb2_grpc.HealthStub(self.channel(address))
+
+    def addresses(self) -> list[str]:
+        """The addresses with an open channel."""
+        return list(self._channels)
 
     async def forget(self, address: str) -> None:
         """Close the channel to an address no instance uses any more."""

@@ -297,6 +297,7 @@ async def serve(config: RouterConfig, autoscale: AutoscaleSettings | None = None
             router_grpc,
             config.model,
             config.node_key or config.api_key,
+            router.clients.tls,
         )
     await asyncio.wait([asyncio.create_task(stop.wait()), http_task],
                        return_when=asyncio.FIRST_COMPLETED)  # fmt: skip

@@ -26,6 +26,7 @@ from router.autoscale.policy import AutoscalerConfig, PoolLimits
 
 if TYPE_CHECKING:
     from launcher.actuators import ComposeTarget, KubernetesTarget
+    from router.node_clients import NodeTLS
 
 ACTUATORS = ("local", "compose", "kubernetes")
 _TRUE = ("1", "true", "yes", "on")
@@ -128,10 +129,15 @@ def _kubernetes(args: argparse.Namespace) -> KubernetesTarget:
 
 
 def build_actuator(
-    settings: AutoscaleSettings, router_grpc: str, model: str, node_key: str | None = None
+    settings: AutoscaleSettings,
+    router_grpc: str,
+    model: str,
+    node_key: str | None = None,
+    node_tls: NodeTLS | None = None,
 ) -> Actuator:
     """The configured actuator; local nodes register with ``router_grpc`` (presenting
-    ``node_key``, passed in their environment) and serve ``model``."""
+    ``node_key``, passed in their environment) and serve ``model``; its watchdog reaches them
+    as the router does (``node_tls``)."""
     from launcher import actuators
     from launcher.watchdog import WatchdogConfig
 
@@ -154,7 +160,7 @@ def build_actuator(
         decode_tp=settings.policy.decode_gpus,
         env={**os.environ, "PDSERVE_NODE_KEY": node_key} if node_key else None,
     )
-    watchdog = WatchdogConfig(settings.node_watchdog_s)
+    watchdog = WatchdogConfig(settings.node_watchdog_s, tls=node_tls)
     return actuators.LocalProcessActuator(launch, watchdog=watchdog)
 
 

@@ -35,6 +35,7 @@ from router.autoscale.policy import (
     TrafficSnapshot,
 )
 from router.metrics import RouterMetrics
+from router.node_clients import NodeTLS
 from router.registry import Instance, Registry, Role
 
 logger = logging.getLogger(__name__)
@@ -189,9 +190,10 @@ async def start_autoscaler(
     router_grpc: str,
     model: str,
     node_key: str | None = None,
+    node_tls: NodeTLS | None = None,
 ) -> AutoscaleLoop:
     """Build the actuator and the loop, bring the pools to their initial size, start ticking."""
-    actuator = build_actuator(settings, router_grpc, model, node_key)
+    actuator = build_actuator(settings, router_grpc, model, node_key, node_tls)
     loop = AutoscaleLoop(
         Autoscaler(settings.policy), actuator, registry, metrics, settings.interval_s
     )

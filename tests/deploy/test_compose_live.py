@@ -276,6 +276,13 @@ def test_tls_a_shared_file_store_and_an_api_key(
         path.chmod(0o644)  # the containers' user (uid 10001) reads them
     tls_dir.chmod(0o755)
     secure = secured(project, tls_dir)
+    try:
+        _check_secured(project, secure, expected)
+    finally:  # its volume too (the fixture's `down` knows only the base files)
+        secure.down()
+
+
+def _check_secured(project: ComposeProject, secure: ComposeProject, expected: list[str]) -> None:
     start = time.monotonic()
     secure.up("--scale", "decode=2")  # a changed configuration: every pdserve container anew
     secure.wait_instances(prefill=1, decode=2, timeout_s=READY_S)
@@ -291,7 +298,9 @@ def test_tls_a_shared_file_store_and_an_api_key(
     with pytest.raises(openai.AuthenticationError):
         client(project).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     decode = secure.containers("decode")[0]
-    entry_files = "find /kv -type f -regextype posix-extended -regex '.*/[0-9a-f]{32}' | wc -l"
+    entry_files = (  # <root>/ab/<30 hex>: one file per entry
+        "find /kv -type f -regextype posix-extended -regex '.*/[0-9a-f]{2}/[0-9a-f]{30}' | wc -l"
+    )
     code, entries = in_container(decode, "sh", "-c", entry_files)
     assert code == 0 and int(entries) > 0, entries  # what prefill saved, seen from decode
     probe = ["python", "-m", "launcher.health_check", "--grpc", "127.0.0.1:50071"]

@@ -3,13 +3,14 @@ nodes serve mutual TLS (``--tls-cert/--tls-key/--tls-client-ca``), the router ve
 a name rather than the address they advertise (``--node-tls-server-name``, what containers need:
 their addresses are in no certificate) and presents its client certificate. Requests are served
 with the offline engine's tokens; a plaintext or certificate-less caller gets nothing from a
-node, and ``pdserve health`` probes it over TLS."""
+node, and ``pdserve health`` and ``up``'s node watchdog probe it over TLS."""
 
 from __future__ import annotations
 
 import re
 import shlex
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -31,7 +32,8 @@ def test_router_and_nodes_speak_mutual_tls(tmp_path: Path) -> None:
     router_args = ["--node-tls-ca", pki["ca"], "--node-tls-cert", pki["client"],
                    "--node-tls-key", pki["client-key"], "--node-tls-server-name", "localhost"]  # fmt: skip
     up = UpProcess(tmp_path / "logs", "--node-args", shlex.join(map(str, node_args)),
-                   "--router-args", shlex.join(map(str, router_args)))  # fmt: skip
+                   "--router-args", shlex.join(map(str, router_args)),
+                   "--node-watchdog", "3")  # fmt: skip
     try:
         url = up.wait_ready()
         expected = expected_texts()[:3]
@@ -52,6 +54,9 @@ def test_router_and_nodes_speak_mutual_tls(tmp_path: Path) -> None:
         no_cert = NodeTLS.from_files(str(pki["ca"]), server_name="localhost")
         assert check_grpc(node, "", 5.0, no_cert)[0] is False  # mutual TLS: a client cert first
         assert check_grpc(node, "", 5.0)[0] is False  # plaintext
+        time.sleep(6.0)  # up's node watchdog probes over TLS too: no node found silent, killed
+        assert check_grpc(node, "", 10.0, mutual) == (True, "SERVING")
+        assert "hung" not in up.output, up.output
     except BaseException:
         print(up.output, up.logs(), sep="\n")
         up.kill()
