@@ -2,6 +2,7 @@
 
     python -m benchmarks.chaos                      # Redis store, 1 prefill + 2 decode, 8 streams
     python -m benchmarks.chaos --streams 8 --settle 8 --json chaos.json
+    python -m benchmarks.chaos --faults decode-stop   # a hung (SIGSTOPped) decode node
 
 A ``pdserve up --kv-store redis`` cluster serves ``--streams`` concurrent streamed, greedy
 completions, one after another per stream, each checked against the offline engine's text for
@@ -24,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import tempfile
@@ -47,7 +49,9 @@ PROMPTS = [
 MAX_TOKENS = 16
 FAULTS = ("decode", "prefill", "router", "redis")
 # also: "decode-rank" / "prefill-rank", a tensor-parallel rank of a node (with --decode-tp /
-# --prefill-tp > 1): its engine fails, the node stops and is replaced
+# --prefill-tp > 1): its engine fails, the node stops and is replaced; "decode-stop" /
+# "prefill-stop", SIGSTOP of a node: it hangs, alive; the router moves its requests at its
+# --progress-timeout and `up`'s watchdog (--node-watchdog) kills and replaces it
 
 
 @dataclass
@@ -71,6 +75,7 @@ class FaultRow:
     different: int = 0
     recovery_s: float = 0.0
     failing_s: float = 0.0  # first failed request's start to last one's end
+    in_flight_s: float = 0.0  # the last request in flight at the fault ended this long after it
     examples: list[str] = field(default_factory=list)
 
 
@@ -175,7 +180,7 @@ def _victim(tag: str, redis: str, fault: str) -> int:
     pool, _, part = fault.partition("-")
     pid = cluster_pids(tag, redis)[pool][0]
     if part != "rank":
-        return pid
+        return pid  # the process itself: SIGKILL, or SIGSTOP for a "-stop" fault
     ranks = _ranks(pid)
     if not ranks:
         raise ValueError(f"{fault}: the {pool} node has no tensor-parallel ranks (--{pool}-tp 2)")
@@ -261,8 +266,9 @@ async def run_chaos(up: object, url: str, expected: list[str], streams: int = 8,
         await asyncio.sleep(settle_s)
         for fault in faults:
             victim = _victim(tag, redis, fault)
-            replaced = _replaced(up, tag, redis, fault.removesuffix("-rank"), victim)
-            os.kill(victim, signal.SIGKILL)
+            kind = fault.removesuffix("-rank").removesuffix("-stop")
+            replaced = _replaced(up, tag, redis, kind, victim)
+            os.kill(victim, signal.SIGSTOP if fault.endswith("-stop") else signal.SIGKILL)
             killed_at = time.monotonic()
             recovery = await wait_full(url, replaced, full, timeout_s)
             marks.append((fault, killed_at, recovery))
@@ -275,7 +281,8 @@ async def run_chaos(up: object, url: str, expected: list[str], streams: int = 8,
 
 _REPLICAS = {"none": "-", "decode": "1 of 2 decode", "prefill": "1 of 1 prefill",
              "router": "1 of 1 router", "redis": "1 of 1 Redis",
-             "decode-rank": "rank 1 of 2, 1 of 2 decode", "prefill-rank": "rank 1 of 2, 1 of 1 prefill"}  # fmt: skip
+             "decode-rank": "rank 1 of 2, 1 of 2 decode", "prefill-rank": "rank 1 of 2, 1 of 1 prefill",
+             "decode-stop": "1 of 2 decode (SIGSTOP)", "prefill-stop": "1 of 1 prefill (SIGSTOP)"}  # fmt: skip
 
 
 def _rows(outcomes: list[Outcome], marks: list[tuple[str, float, float]]) -> list[FaultRow]:
@@ -295,6 +302,8 @@ def _rows(outcomes: list[Outcome], marks: list[tuple[str, float, float]]) -> lis
                     row.examples.append(outcome.problem)
         if failing:
             row.failing_s = round(max(o.end for o in failing) - min(o.start for o in failing), 1)
+        in_flight = [o.end - since for o in outcomes if o.start < since <= o.end]
+        row.in_flight_s = round(max(in_flight, default=0.0), 1) if fault != "none" else 0.0
         rows.append(row)
     return rows
 
@@ -303,15 +312,28 @@ def table(rows: list[FaultRow]) -> str:
     """The Markdown table (Dynamo's columns, plus how the failures failed)."""
     lines = [
         "| fault | replicas | requests | failed | truncated / different | failing for"
-        " | recovery time |",
-        "|---|---|---|---|---|---|---|",
+        " | in flight done after | recovery time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        recovery = "-" if r.fault == "none" else f"{r.recovery_s:.1f} s"
+        recovery, in_flight = ("-", "-") if r.fault == "none" else (
+            f"{r.recovery_s:.1f} s", f"{r.in_flight_s:.1f} s")  # fmt: skip
         lines.append(f"| {r.fault if r.fault != 'none' else 'none (baseline)'} | {r.replicas}"
                      f" | {r.requests} | {r.failed} | {r.truncated} / {r.different}"
-                     f" | {r.failing_s:.1f} s | {recovery} |")  # fmt: skip
+                     f" | {r.failing_s:.1f} s | {in_flight} | {recovery} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def run_on(up: object, expected: list[str], **kwargs: object) -> list[FaultRow]:
+    """:func:`run_chaos` (``kwargs``) once ``up`` (the harness's UpProcess) serves; on any
+    failure its output and logs are printed and it is stopped."""
+    try:
+        url = up.wait_ready()  # type: ignore[attr-defined]
+        return asyncio.run(run_chaos(up, url, expected, **kwargs))  # type: ignore[arg-type]
+    except BaseException:
+        print(up.output, up.logs(), sep="\n")  # type: ignore[attr-defined]
+        stop_on_failure(up)
+        raise
 
 
 def stop_on_failure(up: object) -> None:
@@ -338,6 +360,7 @@ def main() -> None:
     )
     parser.add_argument("--prefill-tp", type=int, default=1, help="TP size of the prefill node")
     parser.add_argument("--decode-tp", type=int, default=1, help="TP size of the decode nodes")
+    parser.add_argument("--up-args", default="", help='more `up` flags, e.g. "--node-watchdog 8"')
     args = parser.parse_args()
     faults = tuple(args.faults.split(","))
     expected = expected_texts()
@@ -348,14 +371,8 @@ def main() -> None:
             pools += ["--autoscale", "--prefill-min", "1", "--prefill-max", "1",
                       "--decode-min", "2", "--decode-max", "2"]  # fmt: skip
         pools += ["--prefill-tp", str(args.prefill_tp), "--decode-tp", str(args.decode_tp)]
-        up = UpProcess(logs, "--kv-store", "redis", *pools)
-        try:
-            url = up.wait_ready()
-            rows = asyncio.run(run_chaos(up, url, expected, args.streams, args.settle, faults))
-        except BaseException:
-            print(up.output, up.logs(), sep="\n")
-            stop_on_failure(up)
-            raise
+        up = UpProcess(logs, "--kv-store", "redis", *pools, *shlex.split(args.up_args))
+        rows = run_on(up, expected, streams=args.streams, settle_s=args.settle, faults=faults)
         code = up.stop(signal.SIGTERM)
         leftovers = up.leftovers()
     print(table(rows))

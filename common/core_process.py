@@ -5,6 +5,8 @@ queries), then runs one ``EngineCore.step()`` and pushes that step's outputs as 
 message. With nothing to do it blocks on the input socket (waking once a second to check that its
 parent is still alive) instead of spinning. Messages are handled only between steps, so a request
 added while a step runs joins the next one; that is also why a load report is always consistent.
+A load report carries the loop's turns so far (``engine_steps``): a core that holds requests and
+stops turning is stuck, which its node's router and `up`'s watchdog act on.
 
 Sockets: ZeroMQ ``ipc://`` in a private (0700) directory that the frontend created and bound; this
 process connects a PULL socket (input) and a PUSH socket (output). Everything on them is a

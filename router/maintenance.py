@@ -89,13 +89,15 @@ def report_stalled(registry: Registry) -> None:
     routing; the flows streaming from them move their requests, ``router.flow``)."""
     for instance, stalled_s in registry.mark_stalled():
         logger.warning(
-            "%s instance %s at %s is stalled: its engine made no progress for %.1f s while it"
-            " held %d requests; out of routing, its requests move elsewhere",
+            "%s instance %s at %s is stalled: no engine progress for %.1f s while it held"
+            " requests (%d reported, %d of this router's); out of routing, its requests move"
+            " elsewhere",
             instance.role.value,
             instance.instance_id,
             instance.address,
             stalled_s,
             instance.load.num_requests,
+            instance.inflight,
         )
 
 

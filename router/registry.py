@@ -80,8 +80,18 @@ class Instance:
         )
 
     def stalled(self, now_s: float) -> bool:
-        """Holds requests while its engine loop stands still (``pdserve_proto.progress``)."""
-        return self.progress is not None and self.progress.stalled(now_s)
+        """Has held requests while its engine loop stood still for the progress timeout
+        (``pdserve_proto.progress``)."""
+        return self.progress is not None and self.stalled_for(now_s) >= self.progress.timeout_s
+
+    def stalled_for(self, now_s: float) -> float:
+        """Seconds it has held requests while its engine loop stood still (0: live or idle);
+        silence while the router has calls on it counts too (a node frozen right after a
+        report that found it idle)."""
+        if self.progress is None:
+            return 0.0
+        silent = now_s - self.last_seen_s if self.inflight > 0 else 0.0
+        return max(silent, self.progress.stalled_for(now_s))
 
     def state(self, now_s: float) -> str:
         """``ready`` | ``draining`` | ``suspect`` | ``stalled`` | ``unhealthy`` (for metrics and
@@ -254,7 +264,7 @@ class Registry:
         stalled = [i for i in self._instances.values() if i.stalled(now) and not i.lost]
         for instance in stalled:
             instance.lose()
-        return [(i, i.progress.stalled_for(now) if i.progress else 0.0) for i in stalled]
+        return [(i, i.stalled_for(now)) for i in stalled]
 
     def live_and_full(self, instance: Instance) -> bool:
         """Whether a request on ``instance`` that gets no token may just be waiting for a seat

@@ -54,6 +54,16 @@ def test_a_stalled_instance_leaves_routing_is_lost_once_and_comes_back() -> None
     assert not stuck.lost and stuck in registry.candidates(Role.DECODE)
 
 
+def test_silence_with_calls_in_flight_stalls_a_node_that_last_reported_idle() -> None:
+    now = [0.0]
+    registry = Registry("tiny-llama", clock=lambda: now[0], progress_timeout_s=3.0)
+    node = registry.register("d0", Role.DECODE, "127.0.0.1:1", INFO, NodeLoad())
+    now[0] = 5.0
+    assert not node.stalled(now[0])  # silent and idle: the heartbeat timeout's business
+    with registry.track(node):
+        assert node.stalled(now[0]) and registry.mark_stalled() == [(node, 5.0)]
+
+
 def test_an_instance_dropped_silent_is_lost_and_live_full_is_judged_fresh() -> None:
     now = [0.0]
     registry = Registry("tiny-llama", clock=lambda: now[0], progress_timeout_s=4.0)
