@@ -142,16 +142,41 @@ class NodeOptions:
 
     def address(self, bound_port: int) -> str:
         """Where the router should call: ``--advertise-address``, else host:port - with a
-        wildcard host (0.0.0.0, ::) replaced by this machine's address (a container's IP)."""
+        wildcard host (0.0.0.0, ::) replaced by this machine's address towards the router (a
+        container on several networks has one address per network: the router reaches only
+        the one on its own), else the address of its hostname. Asked again at every
+        registration: a container reconnected to a network may have a new address."""
         if self.advertise_address:
             return self.advertise_address
         host = self.host
         if host in ("0.0.0.0", "::"):  # asked for by name (compose, inside a container)
-            try:
-                host = socket.gethostbyname(socket.gethostname())
-            except OSError:  # an unresolvable hostname: let the router resolve it
-                host = socket.gethostname()
-        return f"{host}:{bound_port}"
+            host = route_address(self.router) or hostname_address()
+        return f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
+
+
+def route_address(target: str | None) -> str | None:
+    """This machine's source address for packets to ``target`` (host:port), from the routing
+    table (a UDP connect sends nothing); None when there is no target or no route."""
+    if not target:
+        return None
+    host, _, port = target.rpartition(":")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_DGRAM
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.connect(address)
+            return str(sock.getsockname()[0])
+    except (OSError, ValueError):
+        return None
+
+
+def hostname_address() -> str:
+    """The address this machine's hostname resolves to (else the hostname itself)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:  # an unresolvable hostname: let the router resolve it
+        return socket.gethostname()
 
 
 # (flag, converter, help); the option name is the flag without dashes, '-' → '_'

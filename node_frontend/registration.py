@@ -50,9 +50,13 @@ class RouterRegistration:
         max_retry_s: float = 5.0,
         credentials: grpc.ChannelCredentials | None = None,
         node_key: str | None = None,
+        advertise: Callable[[], str] | None = None,
     ) -> None:
+        """``advertise``: this node's address, asked again before every Register (a container
+        reconnected to a network may have a new one); None keeps ``request.address``."""
         self.router = router
         self.request = request
+        self._advertise = advertise
         self.load = load
         self.rpc_timeout_s = rpc_timeout_s
         self.max_retry_s = max_retry_s
@@ -122,6 +126,8 @@ class RouterRegistration:
             if reply.known:
                 return
             logger.info("router %s does not know this node: registering again", self.router)
+        if self._advertise is not None:
+            self.request.address = self._advertise()
         request = pb.RegisterRequest()
         request.CopyFrom(self.request)
         request.load.CopyFrom(load)

@@ -166,6 +166,7 @@ def _registration(
         runtime.load_report,
         credentials=credentials,
         node_key=options.node_key,
+        advertise=lambda: options.address(port),
     )
     registration.start()
     return registration

@@ -51,3 +51,17 @@ def test_tensor_parallel_size_flag() -> None:
     assert options.tensor_parallel_size == 2
     config = options.engine_config("producer")
     assert config.tensor_parallel_size == 2 and config.kv_store == "file:///tmp/x"
+
+
+def test_a_wildcard_host_advertises_its_address_towards_the_router() -> None:
+    """A container on several networks (compose: the router's and the KV store's) has an address
+    on each; the router reaches only the one on its own network, the route's source address."""
+    from node_frontend.options import route_address
+
+    assert route_address("127.0.0.1:50051") == "127.0.0.1"
+    assert route_address(None) is None and route_address("no-port") is None
+    options = _parse(["--host", "0.0.0.0", "--router", "127.0.0.1:50051"],
+                     {"kv_store": "redis://127.0.0.1:1/0"})  # fmt: skip
+    assert options.address(50071) == "127.0.0.1:50071"
+    pinned = _parse(["--advertise-address", "node-3:7"], {"kv_store": "redis://127.0.0.1:1/0"})
+    assert pinned.address(50071) == "node-3:7"
