@@ -1,6 +1,7 @@
 """Folders are programs: the launcher starts the router as a process and imports only the leaf
-interface of its autoscaler; the router imports no launcher code (until it builds an actuator)
-and, of bench/, only the SLO math. Each check imports in a fresh interpreter."""
+interface of its autoscaler (and the router's node channels, for its watchdog); the router
+imports no launcher code (until it builds an actuator) and, of bench/, only the SLO math. Each
+check imports in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ ROUTER_LEAVES = {
     "router.autoscale.policy",
     "router.autoscale.actuator",
 }
+# and the node channels (TLS) that the launcher's node watchdog dials as the router does
+LAUNCHER_FROM_ROUTER = ROUTER_LEAVES | {"router.node_clients"}
 
 
 def modules_after(code: str) -> set[str]:
@@ -37,7 +40,7 @@ def package(loaded: set[str], name: str) -> set[str]:
 
 def test_the_launcher_imports_only_the_autoscaler_leaves_of_the_router() -> None:
     loaded = modules_after("\n".join(f"import launcher.{name}" for name in (*LAUNCHER, "demo")))
-    assert package(loaded, "router") == ROUTER_LEAVES
+    assert package(loaded, "router") == LAUNCHER_FROM_ROUTER
     assert not package(loaded, "torch")
 
 
