@@ -84,6 +84,22 @@ async def expire_silent(registry: Registry, clients: NodeClients) -> None:
             await clients.forget(instance.address)
 
 
+def drop_refused(registry: Registry, clients: NodeClients) -> None:
+    """Drop registered instances whose port refuses connections and that missed a heartbeat
+    (a SIGKILLed node: `/ready` counted it, on and off as its calls failed, until its
+    heartbeats lapsed after the whole timeout)."""
+    for instance in registry.instances():
+        if instance.static or not clients.refused(instance.address):
+            continue
+        if registry.drop_if_silent(instance):
+            logger.warning(
+                "dropped %s instance %s at %s: it refuses connections",
+                instance.role.value,
+                instance.instance_id,
+                instance.address,
+            )
+
+
 def report_stalled(registry: Registry) -> None:
     """Mark the instances whose engine stopped making progress while holding requests (out of
     routing; the flows streaming from them move their requests, ``router.flow``)."""
@@ -107,6 +123,7 @@ async def run_maintenance(registry: Registry, clients: NodeClients, interval_s: 
     while True:
         try:
             await expire_silent(registry, clients)
+            drop_refused(registry, clients)
             report_stalled(registry)
             await poll_static(registry, clients, timeout_s=max(interval_s, 1.0))
         except Exception:  # keep the loop alive: one bad round must not stop upkeep

@@ -97,6 +97,13 @@ class NodeClients:
     def health(self, address: str) -> health_pb2_grpc.HealthStub:
         return health_pb2_grpc.HealthStub(self.channel(address))
 
+    def refused(self, address: str) -> bool:
+        """Whether the node at ``address`` refuses connections now: its channel failed to
+        connect (a dead process's port: the kernel refuses at once). A channel the connection
+        of which was closed (idle) is asked to reconnect, so the next look knows."""
+        state = self.channel(address).get_state(try_to_connect=True)
+        return state is grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
     def addresses(self) -> list[str]:
         """The addresses with an open channel."""
         return list(self._channels)

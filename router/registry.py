@@ -247,6 +247,19 @@ class Registry:
         """Remove an instance; returns it, or None if it was unknown."""
         return self._instances.pop(instance_id, None)
 
+    def drop_if_silent(self, instance: Instance) -> bool:
+        """Drop a registered instance found gone (its port refuses connections) unless it sent a
+        heartbeat within the last interval (then it lives, and its channel only blinked): its
+        calls move elsewhere (``Instance.lose``); a live node registers again at its next
+        heartbeat. False if kept (or static: polled, never dropped)."""
+        if instance.static or self._instances.get(instance.instance_id) is not instance:
+            return False
+        if self._clock() - instance.last_seen_s <= self.heartbeat_interval_s:
+            return False
+        del self._instances[instance.instance_id]
+        instance.lose()
+        return True
+
     def expire(self) -> list[Instance]:
         """Drop registered instances silent for longer than the heartbeat timeout."""
         deadline = self._clock() - self.heartbeat_timeout_s

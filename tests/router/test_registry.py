@@ -142,3 +142,41 @@ def test_track_counts_inflight() -> None:
     with registry.track(p0, 100):
         assert (p0.inflight, p0.inflight_tokens) == (1, 100)
     assert (p0.inflight, p0.inflight_tokens) == (0, 0)
+
+
+def test_a_node_whose_port_refuses_is_dropped_once_it_misses_a_heartbeat() -> None:
+    """A SIGKILLed node's port refuses connections at once: it is dropped after one missed
+    heartbeat (and its calls told), not after the whole heartbeat timeout, during which
+    `/ready` counted it on and off. One that still heartbeats is kept (its channel blinked)."""
+    import asyncio
+    import socket
+
+    from router.maintenance import drop_refused
+    from router.node_clients import NodeClients
+
+    with socket.socket() as sock:  # a port nothing listens on: refused, as a dead node's
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+
+    async def go() -> None:
+        clock = Clock()
+        registry = make(clock)
+        registry.register("d0", Role.DECODE, address, INFO)
+        instance = registry.get("d0")
+        assert instance is not None
+        clients = NodeClients()
+        try:
+            for _ in range(200):  # the channel's first connection attempt fails
+                if clients.refused(address):
+                    break
+                await asyncio.sleep(0.02)
+            assert clients.refused(address)
+            drop_refused(registry, clients)
+            assert registry.get("d0") is instance  # heard from just now: kept
+            clock.now += 1.5  # a heartbeat (every 1 s) missed
+            drop_refused(registry, clients)
+            assert registry.get("d0") is None and instance.lost
+        finally:
+            await clients.close()
+
+    asyncio.run(go())
