@@ -81,12 +81,14 @@ class ComposeProject:
         """Ids of the service's running containers."""
         return self.compose("ps", "-q", service).split()
 
-    def network(self) -> str:
-        return f"{self.name}_default"
+    def network(self, name: str = "default") -> str:
+        """The project's network ``name`` (compose.yaml: ``default``, the router's and the
+        nodes'; ``kv``, Redis's and the nodes')."""
+        return f"{self.name}_{name}"
 
-    def logs(self, tail: int = 40) -> str:
+    def logs(self, tail: int = 40, *services: str) -> str:
         try:
-            return self.compose("logs", "--no-color", "--tail", str(tail), timeout=60)
+            return self.compose("logs", "--no-color", "--tail", str(tail), *services, timeout=60)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             return f"(no logs: {exc})"
 

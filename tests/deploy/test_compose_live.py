@@ -241,6 +241,42 @@ def test_a_crash_under_16_streams_loses_and_changes_nothing(
     assert tally.requests > 0 and tally.bad == 0, (why, tally)
 
 
+# -- network partitions -------------------------------------------------------------------------
+
+
+def test_network_partitions_cost_speed_never_tokens(
+    project: ComposeProject, expected: list[str]
+) -> None:
+    """Under 8 streams, a decode container is cut off by ``docker network disconnect``: from the
+    KV store's network (its loads fail: it recomputes), then from the router's (its streams
+    stall, the router moves them to the other decode node and drops it), each time connected
+    again (it registers anew, at its address on that network). Nothing fails or changes."""
+    victim = project.containers("decode")[0]
+    kv, front = project.network("kv"), project.network()
+    with Load(project.base_url, expected, streams=8) as load:
+        load.wait_requests(8)
+        start = time.monotonic()
+        docker("network", "disconnect", kv, victim)
+        load.wait_requests(24)
+        docker("network", "connect", kv, victim)
+        healed = time.monotonic()
+        ROWS.append(("decode cut from Redis", "1 of 2 decode", load.tally(start, healed),
+                     healed - start))  # fmt: skip
+        load.wait_requests(8)
+        start = time.monotonic()
+        docker("network", "disconnect", front, victim)
+        project.wait_instances(prefill=1, decode=1, timeout_s=120)  # the router dropped it
+        load.wait_requests(16)
+        docker("network", "connect", front, victim)
+        project.wait_instances(prefill=1, decode=2, timeout_s=120)  # and has it back
+        healed = time.monotonic()
+        ROWS.append(("decode cut from the router", "1 of 2 decode", load.tally(start, healed),
+                     healed - start))  # fmt: skip
+        load.wait_requests(8)
+    tally = load.tally()
+    assert tally.requests > 0 and tally.bad == 0, (tally, project.logs(150, "router"))
+
+
 # -- a shared-file store, TLS to the nodes, an API key --------------------------------------------
 
 API_KEY = "compose-test-key"
