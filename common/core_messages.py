@@ -81,7 +81,8 @@ class RequestTiming(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
 
     ``queue_ms``: arrival → first scheduled (or parked for a KV load); ``load_ms``: time spent
     waiting for KV from the store; ``compute_ms``: the rest, up to the first output (for a
-    producer this includes ``wait_for_save``: the engine samples only once blocks are durable).
+    producer this includes ``wait_for_save``: a step's tokens come back only once its blocks
+    are durable).
     """
 
     queue_ms: float

@@ -19,7 +19,8 @@ Step by step:
    ``load_async`` the request waits in ``WAITING_FOR_REMOTE_KV`` without holding up others.
 3. ``build_connector_meta`` packs this step's loads and saves; the runner binds it, calls
    ``start_load_kv`` before the forward pass, ``wait_for_layer_load`` / ``save_kv_layer`` around
-   each layer's attention and ``wait_for_save`` after the pass.
+   each layer's attention, and ``wait_for_save`` once the step's sampling is launched (before
+   the runner returns the step's tokens).
 4. ``get_finished`` reports finished loads and saves; ``get_failed_blocks`` the blocks that
    could not be loaded (missing, evicted, corrupt, unreachable): the scheduler recomputes from the first one.
    The store connector reports both before any compute uses the blocks, and its next forward
@@ -119,7 +120,8 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def wait_for_save(self) -> None:
         """Return only when every block of the prompts completing this step (``SaveSpec.final``)
-        is durable in the store (or failed for good, which only costs a later recompute)."""
+        is durable in the store (or failed for good, which only costs a later recompute). Called
+        after the step's forward pass and sampling are launched; its tokens are returned after."""
 
     @abstractmethod
     def get_finished(self, request_ids: set[str]) -> tuple[set[str], set[str]]:

@@ -2,7 +2,7 @@
 
 A request that may generate more than one token is *handed off*: the engine runs it with
 ``max_tokens`` = 1, its KV is written to the store block by block during the forward pass, and
-the engine samples the first token only once ``wait_for_save`` says every block is durable, so
+the engine returns the first token only once ``wait_for_save`` says every block is durable, so
 the reply (first token, ``FINISH_REASON_HANDED_OFF`` and the KV handle) always names blocks a
 decode node can read. Whether a request is handed off is decided from the request before it
 runs, never by reinterpreting the engine's finish reason: the engine's ``stop`` (EOS, a stop id)
