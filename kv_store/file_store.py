@@ -244,7 +244,7 @@ class FileStore(KVStore):
         header = entry.encode_header(self._fp_digest, num_tokens, as_payload(chunks))
         temp = f"{self.root}/{name[:2]}/.tmp-{name[2:]}-{os.getpid()}-{next(self._temp_ids)}"
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = self._create(temp, name[:2])
         except OSError as exc:
             self._write_error(temp, exc)
             return False
@@ -264,6 +264,18 @@ class FileStore(KVStore):
             self._write_error(temp, exc)
             _unlink_quietly(temp)
             return False
+
+    def _create(self, temp: str, sub: str) -> int:
+        """A new temp file in the fan-out directory ``sub``; the directories are made again
+        when they were removed under a running store (an operator's ``rm -r``: every later
+        write failed, until a restart)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            return os.open(temp, flags, 0o600)
+        except FileNotFoundError:
+            make_private_dir(self.root)
+            make_private_dir(self.root / sub)
+            return os.open(temp, flags, 0o600)
 
     def _write_error(self, what: str, exc: Exception) -> None:
         self._counters.add(errors=1)

@@ -389,3 +389,18 @@ def test_default_capacity_is_a_capped_share_of_free_space(
     with caplog.at_level(logging.INFO, logger=file_store.__name__):
         assert file_store.default_capacity(tmp_path) == int(expected_gib * gib)
     assert "?capacity=" in caplog.text  # one line says what it took and how to change it
+
+
+def test_a_store_directory_removed_while_serving_is_made_again(store: FileStore) -> None:
+    """An operator's ``rm -r`` of the namespace under a running node: every later write failed
+    with ENOENT until a restart (a shared prefill node in the test suite met it). Now the next
+    write makes the directories again, 0700, and the store serves."""
+    import shutil
+
+    keys = [block_key(FP, i) for i in range(8)]
+    assert _put(store, keys[:4]) == [True] * 4
+    shutil.rmtree(store.root)
+    assert _read(store, keys[:4]) == [False] * 4  # gone with the directory: misses
+    assert _put(store, keys[4:]) == [True] * 4
+    assert _read(store, keys[4:]) == [True] * 4
+    assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
