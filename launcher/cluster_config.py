@@ -128,10 +128,9 @@ def _router_node_tls(router_args: tuple[str, ...]) -> NodeTLS | None:
     for flag in ("--node-tls-ca", "--node-tls-cert", "--node-tls-key", "--node-tls-server-name"):
         parser.add_argument(flag)
     known, _ = parser.parse_known_args(list(router_args))
-    if not known.node_tls_ca:
-        return None
-    return NodeTLS.from_files(known.node_tls_ca, known.node_tls_cert, known.node_tls_key,
-                              known.node_tls_server_name)  # fmt: skip
+    return NodeTLS.from_flags(
+        known.node_tls_ca, known.node_tls_cert, known.node_tls_key, known.node_tls_server_name
+    )
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

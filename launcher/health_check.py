@@ -58,9 +58,7 @@ def tls_of(args: argparse.Namespace) -> NodeTLS | None:
     """How to reach a node that serves TLS (the router's own `NodeTLS`), or None."""
     from router.node_clients import NodeTLS  # grpc and the protos only: cheap
 
-    if not args.tls_ca:
-        return None
-    return NodeTLS.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    return NodeTLS.from_flags(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
 
 
 def check_grpc(

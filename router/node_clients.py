@@ -35,6 +35,14 @@ class NodeTLS:
     server_name: str | None = None
 
     @classmethod
+    def from_flags(
+        cls, ca: str | None, cert: str | None, key: str | None, server_name: str | None
+    ) -> NodeTLS | None:
+        """The ``--node-tls-*`` flags' TLS (the router's, `up`'s watchdog's, the health probe's);
+        None without a CA: nodes are reached in plaintext."""
+        return cls.from_files(ca, cert, key, server_name) if ca else None
+
+    @classmethod
     def from_files(
         cls,
         ca: str,

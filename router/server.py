@@ -113,15 +113,8 @@ def build_router(config: RouterConfig) -> Router:
     for role, addresses in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode)):
         for address in addresses:
             registry.add_static(role, address)
-    tls = (
-        NodeTLS.from_files(
-            config.node_tls_ca,
-            config.node_tls_cert,
-            config.node_tls_key,
-            config.node_tls_server_name,
-        )
-        if config.node_tls_ca
-        else None
+    tls = NodeTLS.from_flags(
+        config.node_tls_ca, config.node_tls_cert, config.node_tls_key, config.node_tls_server_name
     )
     clients = NodeClients(tls)
     slo = LiveSLOStats(config.slo, window_s=config.slo_window_s)
