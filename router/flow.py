@@ -388,7 +388,7 @@ class RequestFlow:
                 last_fault = self._on_rpc_error(spec, instance, exc, "decode")
             except (_NodeGaveUp, NodeLost) as exc:
                 logger.warning("decode on %s gave up: %s", instance.address, exc)
-                self.registry.mark_failed(instance)
+                self.registry.gave_up_on(instance)
                 last_fault = self._failed_on(spec, instance)
             failures += 1
             usage.migrations += 1

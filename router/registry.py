@@ -58,6 +58,9 @@ class Instance:
     suspect_until_s: float = 0.0
     inflight: int = 0  # router requests in flight on this instance
     inflight_tokens: int = 0  # their prompt tokens
+    # a call on it was given up (no token in time) since its last report: its silence counts
+    # as a stall though no call waits on it any more (``stalled_for``)
+    abandoned: bool = False
     progress: ProgressWatch | None = None  # None: not watched (set by the registry)
     lost: bool = False  # stalled or dropped: the calls running on it move elsewhere
     # called once when it is lost (``lose``): each running call's way to give up at once
@@ -87,10 +90,12 @@ class Instance:
     def stalled_for(self, now_s: float) -> float:
         """Seconds it has held requests while its engine loop stood still (0: live or idle);
         silence while the router has calls on it counts too (a node frozen right after a
-        report that found it idle)."""
+        report that found it idle), and so does silence since a call on it was given up (the
+        flow's per-token deadline moved its requests before a maintenance round saw it)."""
         if self.progress is None:
             return 0.0
-        silent = now_s - self.last_seen_s if self.inflight > 0 else 0.0
+        owes = self.inflight > 0 or self.abandoned
+        silent = now_s - self.last_seen_s if owes else 0.0
         return max(silent, self.progress.stalled_for(now_s))
 
     def state(self, now_s: float) -> str:
@@ -185,6 +190,7 @@ class Registry:
         """A report from ``instance`` now: its load, its progress, and a stall that ended."""
         now = instance.last_seen_s = self._clock()
         instance.load = load
+        instance.abandoned = False
         if instance.progress is None:
             instance.progress = ProgressWatch(self.progress_timeout_s, now)
         instance.progress.observe(load, now)
@@ -314,6 +320,12 @@ class Registry:
     def mark_failed(self, instance: Instance) -> None:
         """A call to ``instance`` failed at the transport level: skip it for a cooldown."""
         instance.suspect_until_s = self._clock() + self.suspect_cooldown_s
+
+    def gave_up_on(self, instance: Instance) -> None:
+        """A call on ``instance`` was given up (no token in time, or its stream ended early):
+        skip it for a cooldown, and until it reports again its silence counts as a stall."""
+        self.mark_failed(instance)
+        instance.abandoned = True
 
     def update_static(self, instance: Instance, load: NodeLoad | None) -> None:
         """Result of polling a static instance: its load, or None when the poll failed (or it

@@ -64,6 +64,25 @@ def test_silence_with_calls_in_flight_stalls_a_node_that_last_reported_idle() ->
         assert node.stalled(now[0]) and registry.mark_stalled() == [(node, 5.0)]
 
 
+def test_silence_after_a_call_was_given_up_stalls_it_until_it_reports_again() -> None:
+    # the flow's per-token deadline moved the node's requests before a maintenance round ran:
+    # no call waits on it any more, yet a node frozen since must still be found stalled
+    now = [0.0]
+    registry = Registry("tiny-llama", clock=lambda: now[0], progress_timeout_s=3.0)
+    node = registry.register("d0", Role.DECODE, "127.0.0.1:1", INFO, NodeLoad())
+    now[0] = 1.0
+    with registry.track(node):
+        pass  # its call gave no token and was given up
+    registry.gave_up_on(node)
+    now[0] = 2.9
+    assert not node.stalled(now[0]) and registry.mark_stalled() == []
+    now[0] = 3.0
+    assert node.stalled(now[0]) and registry.mark_stalled() == [(node, 3.0)] and node.lost
+    registry.heartbeat("d0", NodeLoad())  # it answers again: its silence no longer counts
+    now[0] = 10.0
+    assert not node.stalled(now[0]) and not node.lost
+
+
 def test_an_instance_dropped_silent_is_lost_and_live_full_is_judged_fresh() -> None:
     now = [0.0]
     registry = Registry("tiny-llama", clock=lambda: now[0], progress_timeout_s=4.0)
