@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,8 @@ from common.spec_decode.proposer import make_proposer
 from common.step_faults import EngineFailure, StepFaults
 from common.step_outputs import EngineCoreOutput, EngineStats, SchedulerOutput
 from common.structured_prepare import PreparedStructuredOutputs
+
+IDLE_WAIT_S = 0.001  # longest wait of a step that found nothing to run
 
 if TYPE_CHECKING:
     from common.kv_connector import ConnectorFactory
@@ -78,6 +80,9 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, self.block_size, config.cache.enable_prefix_caching
         )
+        # set from the connector's threads when a lookup answers or a load part arrives: a
+        # step with nothing to run waits for it (``_step``) instead of spinning a core
+        self._wakeup = threading.Event()
         self.connector = self._make_connector(connector_factory)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -167,6 +172,8 @@ class EngineCore:
             self.config.kv_store, role, self.model_dir, runner.store_spec, runner.device, exchange
         )
         self.runner.set_connector(worker)
+        sched.set_wakeup(self._wakeup.set)
+        worker.set_wakeup(self._wakeup.set)
         return sched, worker
 
     def _eos_token_ids(self) -> list[int]:
@@ -327,6 +334,7 @@ class EngineCore:
 
     def _step(self, outputs: list[EngineCoreOutput]) -> None:
         """The step's phases; its outputs are appended to ``outputs`` as they are made."""
+        self._wakeup.clear()  # news from here on wakes an idle wait below
         if self.connector is not None:
             self._poll_connector()
         if self._structured is not None:
@@ -340,8 +348,11 @@ class EngineCore:
             if sched_out.connector_meta is not None:
                 self.runner.start_loads(sched_out.connector_meta)
             outputs += self._finish_in_flight()
-            if not outputs and (self.scheduler.loading or self._num_compiling()):
-                time.sleep(0.0005)  # only loads or compiles in flight: don't spin a core
+            if not outputs and self.scheduler.has_unfinished():
+                # only store lookups, loads or grammar compiles are in flight: wait for the
+                # connector's news (a grammar has no bell: the timeout bounds its wait, and
+                # a new request's, which arrives between steps)
+                self._wakeup.wait(IDLE_WAIT_S)
             return
         if self._structured is not None:
             sched_out.grammar_bitmask = self._structured.bitmask(sched_out)

@@ -31,6 +31,7 @@ Step by step:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from common.kv_interface import ConnectorMetadata, KVCacheSpec, KVHandle, MatchedTokens
@@ -93,6 +94,12 @@ class KVConnectorScheduler(ABC):
     def close(self) -> None:
         """Stop background work (store lookups) and release the store."""
 
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """``wake`` is called (from any thread) when a store lookup answers: an engine with
+        nothing else to run waits for it instead of polling. A connector whose answers never
+        come from another thread keeps this default."""
+        return None
+
 
 class KVConnectorWorker(ABC):
     """Worker half: moves bytes between the paged cache and the store."""
@@ -134,6 +141,11 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop background threads and release the store."""
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """``wake`` is called (from any thread) when a part of a load arrives (see
+        ``KVConnectorScheduler.set_wakeup``)."""
+        return None
 
 
 class ConnectorHooks:

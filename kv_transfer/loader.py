@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -69,6 +70,12 @@ class Loader(ABC):
         self._failed: set[int] = set()
         self._kv_cache: torch.Tensor | None = None
         self.num_loaded_blocks = self.num_failed_blocks = 0
+        self.wake: Callable[[], None] = lambda: None  # a part arrived (the engine may wait)
+
+    def _arrive(self, item: Fetched) -> None:
+        """Reader thread: a fetched part, handed to the engine thread."""
+        self._fetched.put(item)
+        self.wake()
 
     def start(self, loads: list[LoadSpec], kv_cache: torch.Tensor) -> None:
         """Start this step's fetches in the background (the requests stay parked meanwhile)."""
@@ -96,7 +103,7 @@ class Loader(ABC):
             logger.exception("KV reader failed; %d loads fall back to recompute", len(specs))
             for spec in specs:  # every block failed: the scheduler recomputes the prompt
                 failed = [False] * len(spec.block_ids)
-                self._fetched.put(Fetched(spec.request_id, spec.block_ids, failed, True))
+                self._arrive(Fetched(spec.request_id, spec.block_ids, failed, True))
 
     @abstractmethod
     def _read(self, specs: list[LoadSpec]) -> None:
@@ -213,7 +220,7 @@ class InPlaceLoader(Loader):
                 hits = [done.get((spec.request_id, i), False) for i in index]
                 last = index[-1] == len(spec.keys) - 1
                 ids = [spec.block_ids[i] for i in index]
-                self._fetched.put(Fetched(spec.request_id, ids, hits, last))
+                self._arrive(Fetched(spec.request_id, ids, hits, last))
 
     def _get_items(self, items: list[tuple[LoadSpec, int]]) -> list[bool]:
         if not items:

@@ -14,6 +14,7 @@ handle when a request ends. The worker half, which moves the bytes, is ``kv_tran
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -74,6 +75,10 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         self._lookups: dict[str, Future[list[bool]]] = {}  # request id → store's answer
         self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-lookup")
         self._prompts: dict[str, _Prompt] = {}  # request id → its store names, made once
+        self._wake: Callable[[], None] = lambda: None
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
 
     def _prompt(self, request: Request) -> _Prompt:
         """The request's store names, hashed once per request (dropped when it finishes)."""
@@ -130,6 +135,7 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         if future is None:
             keys = [key for key, _ in self._prompt(request).entries]
             future = self._lookup_thread.submit(self.store.contains_many, keys)
+            future.add_done_callback(lambda _: self._wake())
             self._lookups[request.request_id] = future
         if not future.done():
             return None

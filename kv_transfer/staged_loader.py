@@ -41,7 +41,7 @@ class SlotLoader(Loader):
                 staged = layer_major(slot, hi - lo, self.spec)
                 ok = self._get(spec, lo, hi, entry_chunks(staged))
                 ids = spec.block_ids[lo:hi]
-                self._fetched.put(Fetched(spec.request_id, ids, ok, hi == n, slot, staged))
+                self._arrive(Fetched(spec.request_id, ids, ok, hi == n, slot, staged))
 
     def _get(self, spec: LoadSpec, lo: int, hi: int, out: list[list[memoryview]]) -> list[bool]:
         try:

@@ -18,6 +18,8 @@ scheduler recomputes from the first failed block. Output never changes, only spe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from common.kv_connector import KVConnectorWorker
@@ -89,6 +91,9 @@ class StoreConnectorWorker(KVConnectorWorker):
         """``request_ids``: requests the scheduler ended since the last call (their loads are
         dropped, never written into blocks that may already be reused)."""
         return self.saver.finished(request_ids), self.loader.finished(request_ids)
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self.loader.wake = wake
 
     def get_failed_blocks(self) -> set[int]:
         return self.loader.take_failed()

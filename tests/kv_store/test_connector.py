@@ -413,6 +413,50 @@ def test_the_scheduling_path_never_waits_for_the_store(tmp_path, colocated):
     consumer.close()
 
 
+@pytest.mark.parametrize("slow_call", ["lookup", "load"])
+def test_an_idle_step_waits_for_the_store_and_wakes_on_its_answer(tmp_path, monkeypatch, slow_call):
+    """With only a store lookup or a load in flight, a step neither spins (thousands of empty
+    turns stealing the GIL from the store's threads) nor sleeps past the answer: it waits on
+    the connector's bell, rung from the store's thread."""
+    import threading
+    import time
+
+    import common.engine
+
+    url = f"file://{tmp_path}/kv"
+    prompt = prompts((64,), seed=13)[0]
+    producer = engine(url, "producer")
+    first = run(producer, [("p", prompt, params(1, True), None)])
+    producer.close()
+    consumer = engine(url, "consumer")
+    half, name = (0, "contains_many") if slow_call == "lookup" else (1, "get_many_into")
+    store, release = consumer.connector[half].store, threading.Event()
+    real = getattr(store, name)
+
+    def held(*args):
+        release.wait(10.0)
+        return real(*args)
+
+    setattr(store, name, held)
+    monkeypatch.setattr(common.engine, "IDLE_WAIT_S", 30.0)  # only the bell can end a wait
+    handle = None if slow_call == "lookup" else first["p"]["handle"]
+    consumer.add_request(
+        "p", prompt, params(4, True), output_token_ids=first["p"]["tokens"], kv_handle=handle
+    )
+    threading.Timer(0.3, release.set).start()
+    start, steps = time.monotonic(), 0
+    while consumer.scheduler.loading or consumer.scheduler.waiting:
+        consumer.step()
+        steps += 1
+    waited = time.monotonic() - start
+    assert 0.25 < waited < 5.0, waited  # woken by the answer, not by the 30 s timeout
+    assert steps < 20, steps  # no spinning while the store thread works
+    while consumer.has_unfinished():
+        consumer.step()
+    assert consumer.runner.connector.num_loaded_blocks == 4
+    consumer.close()
+
+
 def test_a_handle_of_another_prompt_is_refused(tmp_path):
     url = f"file://{tmp_path}/kv"
     ps = prompts((40, 40), seed=12)
