@@ -8,10 +8,9 @@ the launchers keep the set finite and known from the model's shape and the batch
 
 - constexprs are the model's shape (heads, head_dim, hidden, intermediate, block size, dtype) or
   buckets of the step's shape: prefill ``BLOCK_M`` in {16, 32, 64} by the longest query; decode
-  runs one partition, or several and a pass 2 whose ``PARTITIONS_POW2`` is the partition count
-  rounded up to a power of two (2, 4, ... up to the widest block table);
-- ints that change from step to step (the block tables' row stride, the partition count) are
-  ``do_not_specialize``, and the metadata pointers (views into the step's input buffers, at
+  tiles of 16 keys (a batch too small to fill the GPU with 64-key partitions) or 64;
+- ints that change from step to step (the block tables' row stride, the decode plan's split
+  count and shortest partition) are ``do_not_specialize``, and the metadata pointers (views into the step's input buffers, at
   offsets that need not be aligned) are not specialised on alignment;
 - strides of activations and of the KV cache are fixed by the model and the cache and stay
   specialised (divisibility lets loads vectorise): :func:`warm_up` launches over the engine's
@@ -23,12 +22,12 @@ rms_norm                        hidden, without and with the residual; head_dim 
 rotary_embedding_and_cache      1
 silu_and_mul                    1
 paged_prefill_attention         BLOCK_M 16, 32, 64 (those max_num_batched_tokens reaches)
-paged_decode_attention          one partition; several
-paged_decode_reduce             PARTITIONS_POW2 2 .. next_pow2(max_model_len / 512)
+paged_decode_attention          BLOCK_N 16, 64
+paged_decode_reduce             BLOCK_N 16, 64
 gather_blocks, scatter_blocks   1 each (the KV connector's save and load)
 ```
 
-Llama-3-8B, max_model_len 8192: 15 variants, about 1 s each to compile cold on one core; Triton's
+Llama-3-8B: 13 variants, about 1 s each to compile cold on one core; Triton's
 cache directory (``common/cache_dir.py``) keeps them for the next start.
 """
 
@@ -41,10 +40,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels._common import check, next_power_of_two
+from kernels._common import check
 from kernels.activation import silu_and_mul
 from kernels.block_copy import gather_blocks, scatter_blocks
-from kernels.paged_decode_attention import num_partitions_for, paged_decode_attention
+from kernels.paged_decode_attention import paged_decode_attention, warmup_plans
 from kernels.paged_prefill_attention import block_m_for, paged_prefill_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding_and_cache
@@ -77,9 +76,6 @@ class LaunchLimits(Protocol):
     @property
     def max_tokens(self) -> int: ...  # tokens per step
 
-    @property
-    def max_blocks_per_seq(self) -> int: ...  # block-table width of max_model_len
-
 
 class WarmupReport(NamedTuple):
     launcher_calls: int
@@ -104,7 +100,7 @@ def warm_up(shape: ModelShape, limits: LaunchLimits, kv_cache: torch.Tensor) -> 
     layer = kv_cache[0]  # (2, N, bs, Hkv, D), as every layer's view
     calls = _layer_ops(shape, layer)
     calls += _prefill(shape, layer, limits.max_tokens)
-    calls += _decode(shape, layer, limits.max_blocks_per_seq)
+    calls += _decode(shape, layer)
     calls += _block_copies(kv_cache)
     if kv_cache.device.type == "cuda":
         torch.cuda.synchronize(kv_cache.device)
@@ -119,15 +115,6 @@ def prefill_query_lens(max_tokens: int) -> list[int]:
     first: dict[int, int] = {}
     for n in range(2, max_tokens + 1):
         first.setdefault(block_m_for(n), n)
-    return list(first.values())
-
-
-def decode_table_widths(max_blocks_per_seq: int, block_size: int) -> list[int]:
-    """One block-table width per decode variant (one partition, or a pass-2 power of two): the
-    attention backend launches with ``max_seq_len = width * block_size``."""
-    first: dict[int, int] = {}
-    for width in range(1, max_blocks_per_seq + 1):
-        first.setdefault(next_power_of_two(num_partitions_for(width * block_size)), width)
     return list(first.values())
 
 
@@ -174,13 +161,14 @@ def _prefill(shape: ModelShape, layer: torch.Tensor, max_tokens: int) -> int:
     return len(lens)
 
 
-def _decode(shape: ModelShape, layer: torch.Tensor, max_blocks_per_seq: int) -> int:
-    widths = decode_table_widths(max_blocks_per_seq, layer.shape[2])
-    for width in widths:
+def _decode(shape: ModelShape, layer: torch.Tensor) -> int:
+    """Each variant of both passes: by tile size only (the plan's ints are not specialised)."""
+    plans = warmup_plans()
+    for plan in plans:
         q = layer.new_zeros(1, shape.num_heads, shape.head_dim)
-        tables, _, seq_lens = _metadata(1, width, layer.device)
-        paged_decode_attention(q, layer, tables, seq_lens, shape.head_dim**-0.5)
-    return len(widths)
+        tables, _, seq_lens = _metadata(1, 1, layer.device)
+        paged_decode_attention(q, layer, tables, seq_lens, shape.head_dim**-0.5, plan=plan)
+    return len(plans)
 
 
 def _block_copies(kv_cache: torch.Tensor) -> int:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import triton
 
 from kernels.cross_compile import REFERENCE_SHAPES
 from tests.kernels.cross_compile_child import run_child
@@ -46,24 +45,23 @@ SLOW = [
 BUCKETS = {
     "_rms_norm_kernel": ("HIDDEN", "HAS_RESIDUAL"),
     "_paged_prefill_attention_kernel": ("BLOCK_M",),
-    "_paged_decode_attention_kernel": ("SINGLE_PARTITION",),
-    "_paged_decode_reduce_kernel": ("PARTITIONS_POW2",),
+    "_paged_decode_attention_kernel": ("BLOCK_N",),
+    "_paged_decode_reduce_kernel": ("BLOCK_N",),
     "_block_copy_kernel": ("TO_CACHE",),
 }
 
 
 def expected_variants(model: str, max_model_len: int) -> Counter[tuple[Any, ...]]:
-    """What an engine of ``model`` launches, block 16, 8192 tokens per step (+ reshape_and_cache)."""
+    """What an engine of ``model`` launches, block 16, 8192 tokens per step (+ reshape_and_cache);
+    ``max_model_len`` changes nothing: the decode split is not a constexpr."""
     shape = REFERENCE_SHAPES[model]
-    partitions = triton.next_power_of_2(triton.cdiv(max_model_len, 512))
     rms = [(shape.hidden_size, False), (shape.hidden_size, True)]
     rms += [(shape.head_dim, False)] if shape.qk_norm else []
     variants = [("_rms_norm_kernel", *key) for key in rms]
     variants += [(name,) for name in ("_rotary_embedding_and_cache_kernel", "_silu_and_mul_kernel")]
     variants += [("_paged_prefill_attention_kernel", m) for m in (16, 32, 64)]
-    variants += [("_paged_decode_attention_kernel", single) for single in (True, False)]
-    pow2s = [2**i for i in range(1, partitions.bit_length())]
-    variants += [("_paged_decode_reduce_kernel", p) for p in pow2s]
+    for kernel in ("_paged_decode_attention_kernel", "_paged_decode_reduce_kernel"):
+        variants += [(kernel, block_n) for block_n in (16, 64)]
     variants += [("_block_copy_kernel", to_cache) for to_cache in (False, True)]
     variants += [("_reshape_and_cache_kernel",)]
     return Counter(variants)

@@ -1,7 +1,9 @@
 """paged_decode_attention against its reference; the reference against SDPA on unpaged K/V.
 
-Tolerances (atol, rtol) are in conftest.TOLERANCES: fp32 1e-4, fp16/bf16 2e-2. Small partition
-sizes make short contexts span several split-K partitions, so the merge pass is exercised cheaply.
+Tolerances (atol, rtol) are in conftest.TOLERANCES: fp32 1e-4, fp16/bf16 2e-2. Small forced
+plans make short contexts span several split-K partitions, so the merge pass is exercised cheaply.
+The launch plan (:func:`decode_plan`, :func:`decode_launch_stats`) is checked in
+``test_decode_launch_plan.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.paged_decode_attention import paged_decode_attention, ref_paged_decode_attention
+from kernels.paged_decode_attention import (
+    DecodePlan,
+    paged_decode_attention,
+    ref_paged_decode_attention,
+)
 
 CASES = [  # (dtype, block_size, head_dim, num_heads, num_kv_heads, partition_size)
+    # partition_size: the forced plan's shortest partition (and tile); 4 splits per row
     pytest.param(torch.float32, 16, 64, 4, 4, 32, id="fp32-bs16-d64-gqa1"),
     pytest.param(torch.float32, 32, 128, 8, 2, 64, id="fp32-bs32-d128-gqa4"),
     pytest.param(torch.bfloat16, 16, 128, 8, 1, 32, id="bf16-bs16-d128-gqa8"),
@@ -21,9 +28,14 @@ CASES = [  # (dtype, block_size, head_dim, num_heads, num_kv_heads, partition_si
 ]
 
 
+def _plan(partition_size: int, num_splits: int = 4) -> DecodePlan:
+    return DecodePlan(num_splits, partition_size, min(partition_size, 64))
+
+
 def _seq_lens(block_size: int, partition_size: int) -> list[int]:
-    # One token, exactly one block, a ragged length, several partitions plus a ragged tail.
-    return [1, block_size, 37, 3 * partition_size + 5]
+    # One token, exactly one block, a ragged length, several partitions plus a ragged tail, a
+    # padded row, and a row long enough that its partitions outgrow the shortest one.
+    return [1, block_size, 37, 3 * partition_size + 5, 0, 9 * partition_size + 3]
 
 
 @pytest.mark.parametrize(
@@ -45,7 +57,7 @@ def test_matches_ref(
     )
     q = torch.randn(len(ctx.keys), num_heads, head_dim, device=device).to(dtype)
     args = (q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, head_dim**-0.5)
-    out = paged_decode_attention(*args, partition_size=partition_size)
+    out = paged_decode_attention(*args, plan=_plan(partition_size))
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, ref_paged_decode_attention(*args))
 
@@ -59,8 +71,10 @@ def test_single_partition_path_and_max_seq_len(
     expected = ref_paged_decode_attention(*args)
     # Every context fits one partition: the first pass writes the output, no merge.
     assert_close(paged_decode_attention(*args), expected)
-    # A tight host-side bound gives the same result with fewer partitions.
-    assert_close(paged_decode_attention(*args, partition_size=16, max_seq_len=70), expected)
+    # Split rows merged by pass 2 give the same result.
+    assert_close(paged_decode_attention(*args, plan=_plan(16)), expected)
+    # A bound below the longest row only changes the split: every row is still attended whole.
+    assert_close(paged_decode_attention(*args, max_seq_len=16), expected)
 
 
 def test_padded_rows_give_zeros(paged_context: Callable, device: torch.device) -> None:
@@ -68,7 +82,7 @@ def test_padded_rows_give_zeros(paged_context: Callable, device: torch.device) -
     q = torch.randn(3, 2, 64, device=device)
     args = (q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, 0.125)
     for partition_size in (16, 512):  # both the merge path and the single-partition path
-        out = paged_decode_attention(*args, partition_size=partition_size)
+        out = paged_decode_attention(*args, plan=_plan(partition_size))
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         torch.testing.assert_close(out, ref_paged_decode_attention(*args), atol=1e-4, rtol=1e-4)
 
@@ -80,7 +94,7 @@ def test_strided_q_and_out(paged_context: Callable, device: torch.device) -> Non
     q = qkv[:, :num_heads]  # a slice of a fused projection: token stride 8 * D
     out = torch.zeros(2, num_heads, 2 * head_dim, device=device)[..., :head_dim]
     args = (q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, 0.125)
-    result = paged_decode_attention(*args, partition_size=16, out=out)
+    result = paged_decode_attention(*args, plan=_plan(16), out=out)
     assert result is out
     torch.testing.assert_close(out, ref_paged_decode_attention(*args), atol=1e-4, rtol=1e-4)
 
@@ -109,7 +123,8 @@ BAD_ARGUMENTS = [
     ({"q": lambda t: t[:, :3]}, "multiple of kv heads"),
     ({"q": lambda t: t[..., :32]}, "q must have shape"),
     ({"kv_cache_layer": lambda t: t[:1]}, "kv_cache_layer must have shape"),
-    ({"partition_size": lambda _: 48}, "partition_size must be a power of two"),
+    ({"plan": lambda _: DecodePlan(3, 64, 64)}, "num_splits must be a power of two"),
+    ({"plan": lambda _: DecodePlan(4, 40, 16)}, "min_partition must be a multiple"),
     ({"block_tables": lambda t: t.t().contiguous().t()}, "block_tables must be contiguous"),
 ]
 
@@ -125,7 +140,7 @@ def test_rejects_bad_arguments(
         "block_tables": ctx.block_tables,
         "seq_lens": ctx.seq_lens,
         "scale": 0.125,
-        "partition_size": 32,
+        "plan": _plan(32),
     }
     for name, transform in change.items():
         args[name] = transform(args[name])

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.paged_decode_attention import paged_decode_attention
+from kernels.paged_decode_attention import DecodePlan, paged_decode_attention
 from kernels.paged_prefill_attention import paged_prefill_attention, ref_paged_prefill_attention
 
 CASES = [  # (dtype, block_size, head_dim, num_heads, num_kv_heads)
@@ -71,7 +71,7 @@ def test_decode_only_batch_matches_decode_kernel(
         q, ctx.kv_cache_layer, ctx.block_tables, qsl, ctx.seq_lens, 1, 0.125
     )
     decode = paged_decode_attention(
-        q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, 0.125, partition_size=32
+        q, ctx.kv_cache_layer, ctx.block_tables, ctx.seq_lens, 0.125, plan=DecodePlan(4, 32, 32)
     )
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 

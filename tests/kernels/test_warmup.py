@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.warmup import ModelShape, decode_table_widths, prefill_query_lens, warm_up
+from kernels.warmup import ModelShape, prefill_query_lens, warm_up
 from tests.kernels.cross_compile_child import run_child
 
 
@@ -19,13 +19,6 @@ def test_prefill_query_lens_one_per_block_m() -> None:
     assert prefill_query_lens(1) == []  # a one-token step is a decode
 
 
-def test_decode_table_widths_one_per_variant() -> None:
-    # block 16: 32 blocks per 512-token partition; widths of 1, 2, 3-4, 5-8, 9-16 partitions
-    assert decode_table_widths(512, 16) == [1, 33, 65, 129, 257]
-    assert decode_table_widths(32, 16) == [1]
-    assert decode_table_widths(8, 128) == [1, 5]  # 4 blocks of 128 per partition
-
-
 def test_warm_up_leaves_the_cache_as_it_was(device: torch.device) -> None:
     shape = ModelShape(4, 2, 16, 64, 96, qk_norm=True)
     kv_cache = torch.randn(2, 2, 8, 16, 2, 16, device=device).to(torch.bfloat16)
@@ -33,7 +26,7 @@ def test_warm_up_leaves_the_cache_as_it_was(device: torch.device) -> None:
     limits = SimpleNamespace(max_tokens=40, max_blocks_per_seq=40)
     report = warm_up(shape, limits, kv_cache)
     torch.testing.assert_close(kv_cache, before, atol=0, rtol=0)
-    # 3 norms + rotary + silu, prefill BLOCK_M 16/32/64, decode 1 and 2 partitions, 2 copies
+    # 3 norms + rotary + silu, prefill BLOCK_M 16/32/64, decode BLOCK_N 16 and 64, 2 copies
     assert report.launcher_calls == 5 + 3 + 2 + 2
 
 
