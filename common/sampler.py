@@ -5,6 +5,12 @@ request with seed ``s`` is ``hash(s, i, v)``, computed with integer ops on tenso
 therefore depends only on its own (seed, position) — never on batch composition, step, process or
 machine — which makes colocated, disaggregated and migrated runs sample identical tokens.
 Sampling is Gumbel-max in its exponential form: ``argmax(p / E)`` with ``E ~ Exp(1)``.
+
+A step with a random row samples the whole batch with one op, ``torch.ops.pdserve.sample_tokens``
+(``kernels/sampler.py``: temperature, top-k, top-p, min-p and the draw in two Triton launches on
+CUDA, one native call on the CPU), fed by one upload of every row's parameters; a step of greedy
+rows only is one ``argmax``. The grammar mask, the min-tokens ban and the penalties run before it,
+each only in a step with a row that asks for it.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from typing import NamedTuple
 
 import torch
 
+import kernels.ops  # noqa: F401 - registers torch.ops.pdserve.sample_tokens
 from common.sampling_params import SamplingParams
+from kernels.sampler import PARAM_WORDS, exponential_noise, pack_params
 
-_M32 = 0xFFFFFFFF
+__all__ = ["SampleRow", "Sampler", "SamplerOutput", "apply_token_bitmask", "exponential_noise"]
 
 
 @dataclass
@@ -38,25 +46,6 @@ class SamplerOutput(NamedTuple):
     top_logprobs: torch.Tensor | None  # (B, K) fp32
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32  # int64 products wrap mod 2**64; the low 32 bits stay exact
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
-
-
-def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``Exp(1)`` noise ``(B, vocab)`` that is a pure function of (seed, position, token id)."""
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    key = _fmix32(lo ^ _fmix32(hi ^ _fmix32((positions * 0x9E3779B1 + 0x7F4A7C15) & _M32)))
-    idx = _fmix32((torch.arange(vocab, device=seeds.device) * 0x27D4EB2F + 0x165667B1) & _M32)
-    bits = _fmix32(key[:, None] ^ idx[None, :])
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(uniform)
-
-
 class Sampler:
     """``sample(logits (B, V) fp32, rows) -> SamplerOutput``. Never modifies ``logits``.
 
@@ -76,16 +65,24 @@ class Sampler:
         logits = _mask_min_tokens(logits, rows)
         if any(r.params.needs_penalties for r in rows):
             logits = _apply_penalties(logits, rows)
-        token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            picked = [rows[i] for i in random_rows]
-            if len(random_rows) == len(rows):
-                token_ids = _sample_random(logits, picked)
-            else:
-                idx = to_device(random_rows, torch.int64, logits.device)
-                token_ids[idx] = _sample_random(logits.index_select(0, idx), picked)
+        if all(r.params.greedy for r in rows):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.ops.pdserve.sample_tokens(logits, _params(rows, logits.device))
         return _logprobs(raw, token_ids, rows)
+
+
+def _params(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+    """Every row's sampling parameters, ``(B, PARAM_WORDS)`` int32, in one upload."""
+    words = pack_params(
+        [r.params.temperature for r in rows],
+        [r.params.top_k for r in rows],
+        [r.params.top_p for r in rows],
+        [r.params.min_p for r in rows],
+        [r.seed for r in rows],
+        [r.position for r in rows],
+    )
+    return to_device(words, torch.int32, device).view(len(rows), PARAM_WORDS)
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -154,38 +151,6 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.float32, device)[:, None]
-
-
-def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    dev = logits.device
-    temp = _column([r.params.temperature for r in rows], dev)
-    probs = torch.softmax(_top_k_top_p(logits / temp, rows), dim=-1)
-    min_ps = [r.params.min_p for r in rows]
-    if any(p > 0 for p in min_ps):
-        min_p = _column(min_ps, dev)
-        probs = torch.where(probs < min_p * probs.amax(-1, keepdim=True), 0.0, probs)
-    seeds = to_device([r.seed for r in rows], torch.int64, dev)
-    positions = to_device([r.position for r in rows], torch.int64, dev)
-    noise = exponential_noise(seeds, positions, logits.shape[-1])
-    return (probs / noise).argmax(dim=-1)
-
-
-def _top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    V = logits.shape[-1]
-    top_k = [r.params.top_k if r.params.top_k > 0 else V for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    if all(k >= V for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
-    dev = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=dev)[None, :]
-    drop = rank >= to_device(top_k, torch.int64, dev)[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-    drop |= before >= _column(top_p, dev)
-    drop[:, 0] = False  # the best token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:

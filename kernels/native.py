@@ -1,7 +1,8 @@
 """The native CPU kernels: the C sources of ``csrc/`` built on first use into one library.
 
-``paged_attention_cpu.c`` (decode attention over the paged cache) and ``fused_ops_cpu.c``
-(RMSNorm, SiLU-and-mul, RoPE + cache write) share the element types of ``bf16.h``; they are
+``paged_attention_cpu.c`` (decode attention over the paged cache), ``fused_ops_cpu.c``
+(RMSNorm, SiLU-and-mul, RoPE + cache write) and ``sampler_cpu.c`` (token sampling); the first
+two share the element types of ``bf16.h``. They are
 compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the host CPU,
 each with its own flags, and linked into one shared library in ``<cache root>/kernels/<key>/``
 (``common.native_build``: built once, published atomically, safe from several processes at once).
@@ -44,6 +45,8 @@ SOURCES = (
         _CSRC / "fused_ops_cpu.c",
         (*_COMMON_FLAGS, "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"),
     ),
+    # the sampler: libm's expf/logf and sums in index order (no -ffast-math)
+    Source(_CSRC / "sampler_cpu.c", (*_COMMON_FLAGS, "-ffp-contract=off")),
 )
 # What the sources `#include "..."`: found through `-I csrc`, hashed into the cache key.
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))
@@ -64,6 +67,7 @@ _PROTOTYPES = {
     + [_INT] * 4
     + [_I64] * 5
     + [_INT, _INT],
+    "pdserve_sample_tokens": [_PTR] * 3 + [_I64] * 3 + [_INT],
 }
 
 _lock = threading.Lock()

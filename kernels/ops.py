@@ -8,6 +8,7 @@ call that runs one kernel: a Triton launch on CUDA, one native call on the CPU (
 - ``silu_and_mul``: ``kernels/activation.py``
 - ``rotary_embedding_and_cache`` (mutates ``kv_cache_layer``): ``kernels/rotary.py``
 - ``paged_decode_attention_cpu`` (CPU only): ``kernels/cpu_attention.py``
+- ``sample_tokens`` (two Triton launches on CUDA): ``kernels/sampler.py``
 
 Each module's ``<op>`` is the CUDA impl (Triton), ``<op>_cpu`` the CPU one (native), and its
 docstrings hold the contract (shapes, dtypes, what is mutated). The ops are registered with
@@ -28,6 +29,7 @@ from kernels import cpu_attention
 from kernels.activation import silu_and_mul, silu_and_mul_cpu
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_cpu, rms_norm, rms_norm_cpu
 from kernels.rotary import rotary_embedding_and_cache, rotary_embedding_and_cache_cpu
+from kernels.sampler import sample_tokens, sample_tokens_cpu
 
 SCHEMAS = {
     "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
@@ -45,6 +47,7 @@ SCHEMAS = {
         "paged_decode_attention_cpu(Tensor query, Tensor kv_cache_layer, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int max_seq_len, float scale) -> Tensor"
     ),
+    "sample_tokens": "sample_tokens(Tensor logits, Tensor params) -> Tensor",
 }
 
 
@@ -55,6 +58,7 @@ _IMPLS = {  # op -> (CPU, CUDA)
     "rotary_embedding_and_cache": (rotary_embedding_and_cache_cpu, rotary_embedding_and_cache),
     # out=None: a new output, the rows of sequences whose query length is not 1 unwritten
     "paged_decode_attention_cpu": (cpu_attention.paged_decode_attention, None),
+    "sample_tokens": (sample_tokens_cpu, sample_tokens),
 }
 
 
@@ -73,6 +77,7 @@ _FAKES: dict[str, Callable[..., Any]] = {  # the output shapes, for meta tensors
         qkv.new_empty((qkv.shape[0], heads, kv.shape[-1]))
     ),
     "paged_decode_attention_cpu": lambda query, *_: torch.empty_like(query),
+    "sample_tokens": lambda logits, params: logits.new_empty(logits.shape[0], dtype=torch.int64),
 }
 
 

@@ -1,0 +1,446 @@
+"""Fused token sampling: temperature, top-k, top-p, min-p and the seeded Gumbel draw in two kernels.
+
+NOTE: the draw. Randomness is counter-based (``common/sampler.py``): the noise of vocabulary entry
+``v`` of output position ``i`` of a request with seed ``s`` is ``E = -log(u(hash(s, i, v)))``,
+``Exp(1)``, computed here inside the kernels from the same 32-bit hash. The token is
+``argmax(probs / E)`` over the tokens the filters keep, where ``probs`` is the softmax of
+``logits / temperature`` renormalised over the top-k ∩ top-p set, and min-p drops the tokens below
+``min_p * max(probs)``. Every filter keeps a prefix of the tokens sorted by logit, so the kept set
+is ``{v : x_v >= threshold}`` and only that threshold has to be found.
+
+```
+pass 1 (B × tiles programs, reads the logits once)        pass 2 (B programs)
+  x = logits / T          tile max, Σ exp(x - max)  ───▶  merge: row max m, Σ exp(x - m)
+  top-CAND (x, id) of the tile (a packed int64 sort) ───▶  sort the candidates, apply the filters
+  tile winner of exp(x - max) / E (no filter)       ───▶  pick: argmax probs / E over the kept ones
+```
+
+Pass 2 settles a row from its candidates when its kept prefix ends inside the candidates that are
+surely the row's largest (each tile's top ``CAND``: every value above the largest of the tiles'
+``CAND``-th values); a row with no filter picks among the tile winners. A row whose prefix runs
+past them (top-p or min-p without a small top-k over a flat distribution) reads its logits again
+in pass 2: a bisection on the order of the float bits for each threshold (about 70 reads of that
+row). Greedy rows (temperature 0) take the largest logit, lowest id first, as ``argmax``.
+
+Three implementations of one contract: :func:`sample_tokens` (Triton; CUDA),
+:func:`sample_tokens_cpu` (``csrc/sampler_cpu.c``, one native call) and :func:`ref_sample_tokens`
+(plain PyTorch: the sampler's eager path, with ``topk`` instead of a sort when every row's top-k
+is small). They agree token for token but where two Gumbel keys are within an ulp (the exp and
+log of each differ in their last bit) or tied logits straddle a cut (the ref cuts between ties,
+the kernels keep every tie).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import native
+from kernels._common import check, check_runnable
+
+TILE = 4096  # vocabulary entries per pass-1 program
+CAND = 128  # candidates each tile hands to pass 2
+SMALL_TOP_K = 1024  # the ref takes topk instead of a full sort when every row's top_k is below
+PARAM_WORDS = 8  # int32 words per row of the packed parameters (see pack_params)
+_M32 = 0xFFFFFFFF
+
+
+# -- the counter-based noise --------------------------------------------------------------------
+def _fmix32_t(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32  # int64 products wrap mod 2**64; the low 32 bits stay exact
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``Exp(1)`` noise ``(B, vocab)`` that is a pure function of (seed, position, token id)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _fmix32_t(lo ^ _fmix32_t(hi ^ _fmix32_t((positions * 0x9E3779B1 + 0x7F4A7C15) & _M32)))
+    idx = _fmix32_t((torch.arange(vocab, device=seeds.device) * 0x27D4EB2F + 0x165667B1) & _M32)
+    bits = _fmix32_t(key[:, None] ^ idx[None, :])
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -torch.log(uniform)
+
+
+@triton.jit
+def _fmix32(h):
+    h ^= h >> 16
+    h = h * 0x85EBCA6B
+    h ^= h >> 13
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _row_key(params_ptr):
+    """The row's 32-bit stream key from its seed and position (uint32, wrapping as the ref)."""
+    seed_lo = tl.load(params_ptr).to(tl.uint32, bitcast=True)
+    seed_hi = tl.load(params_ptr + 1).to(tl.uint32, bitcast=True)
+    pos = tl.load(params_ptr + 2).to(tl.uint32, bitcast=True)
+    return _fmix32(seed_lo ^ _fmix32(seed_hi ^ _fmix32(pos * 0x9E3779B1 + 0x7F4A7C15)))
+
+
+@triton.jit
+def _noise(row_key, ids):
+    """``Exp(1)`` noise of token ``ids`` (int32) for the row's stream key."""
+    idx = _fmix32(ids.to(tl.uint32, bitcast=True) * 0x27D4EB2F + 0x165667B1)
+    bits = _fmix32(row_key ^ idx)
+    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -tl.log(uniform)
+
+
+# -- order-preserving keys ----------------------------------------------------------------------
+@triton.jit
+def _order_key(x):
+    """An int32 that orders as the float ``x`` does (negative floats have their bits flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _from_order_key(key):
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack(x, ids, V):
+    """(order key, V - 1 - id) in one int64: sorted descending, larger x first, then lower id."""
+    return (_order_key(x).to(tl.int64) << 32) | (V - 1 - ids).to(tl.int64)
+
+
+@triton.jit
+def _row_params(params_ptr):
+    """(temperature, top_k, top_p, min_p) of one row of the packed parameters."""
+    top_k = tl.load(params_ptr + 3)
+    temperature = tl.load(params_ptr + 4).to(tl.float32, bitcast=True)
+    top_p = tl.load(params_ptr + 5).to(tl.float32, bitcast=True)
+    min_p = tl.load(params_ptr + 6).to(tl.float32, bitcast=True)
+    return temperature, top_k, top_p, min_p
+
+
+@triton.jit
+def _scaled(logits_ptr, cols, mask, temperature):
+    """``logits / temperature`` (a greedy row's raw logits), ``-inf`` past the vocabulary."""
+    x = tl.load(logits_ptr + cols, mask=mask, other=float("-inf"))
+    return x / tl.where(temperature > 0.0, temperature, 1.0)
+
+
+# -- pass 1 -------------------------------------------------------------------------------------
+@triton.jit
+def _sample_tiles_kernel(
+    logits_ptr,
+    params_ptr,  # (B, PARAM_WORDS) int32
+    tile_stats_ptr,  # (B, NUM_TILES, 4) fp32: max, Σ exp(x - max), CAND-th value, winner's x
+    tile_winner_ptr,  # (B, NUM_TILES) int32
+    candidates_ptr,  # (B, NUM_TILES, CAND) int64, packed, best first
+    stride_logits,
+    V,
+    NUM_TILES: tl.constexpr,
+    TILE: tl.constexpr,
+    CAND: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    row_params = params_ptr + row * 8
+    temperature = tl.load(row_params + 4).to(tl.float32, bitcast=True)
+    cols = tile * TILE + tl.arange(0, TILE)
+    mask = cols < V
+    x = _scaled(logits_ptr + row * stride_logits, cols, mask, temperature)
+    x_max = tl.max(x, axis=0)
+    e = tl.where(mask, tl.exp(x - x_max), 0.0)
+    gumbel = tl.where(mask, e / _noise(_row_key(row_params), cols), -1.0)
+    winner = tl.argmax(gumbel, axis=0)
+    winner_x = tl.max(tl.where(cols == tile * TILE + winner, x, float("-inf")), axis=0)
+    packed = tl.where(mask, _pack(x, cols, V), -(2**63))
+    top = tl.topk(packed, CAND)  # (CAND,), best first
+    num_real = tl.minimum(V - tile * TILE, TILE)
+    low = tl.where(
+        num_real > CAND, _from_order_key((tl.min(top, axis=0) >> 32).to(tl.int32)), float("-inf")
+    )
+    stats = tile_stats_ptr + (row * NUM_TILES + tile) * 4
+    tl.store(stats, x_max)
+    tl.store(stats + 1, tl.sum(e, axis=0))
+    tl.store(stats + 2, low)
+    tl.store(stats + 3, winner_x)
+    tl.store(tile_winner_ptr + row * NUM_TILES + tile, tile * TILE + winner.to(tl.int32))
+    tl.store(candidates_ptr + (row * NUM_TILES + tile) * CAND + tl.arange(0, CAND), top)
+
+
+# -- pass 2 -------------------------------------------------------------------------------------
+@triton.jit
+def _sample_pick_kernel(
+    logits_ptr,
+    params_ptr,
+    tile_stats_ptr,
+    tile_winner_ptr,
+    candidates_ptr,
+    tokens_ptr,  # (B,) int64
+    stride_logits,
+    V,
+    NUM_TILES: tl.constexpr,
+    TILES_POW2: tl.constexpr,
+    TILE: tl.constexpr,
+    CAND: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_params = params_ptr + row * 8
+    temperature, top_k, top_p, min_p = _row_params(row_params)
+    row_key = _row_key(row_params)
+    t = tl.arange(0, TILES_POW2)
+    t_mask = t < NUM_TILES
+    stats = tile_stats_ptr + (row * NUM_TILES + t) * 4
+    t_max = tl.load(stats, mask=t_mask, other=float("-inf"))
+    m = tl.max(t_max, axis=0)
+    s = tl.sum(tl.load(stats + 1, mask=t_mask, other=0.0) * tl.exp(t_max - m), axis=0)
+    low = tl.max(tl.load(stats + 2, mask=t_mask, other=float("-inf")), axis=0)
+    # the candidates, best first; those above `low` are surely the row's largest values
+    n = tl.arange(0, TILES_POW2 * CAND)
+    packed = tl.load(
+        candidates_ptr + row * NUM_TILES * CAND + n, mask=n < NUM_TILES * CAND, other=-(2**63)
+    )
+    packed = tl.sort(packed, descending=True)
+    real = packed != -(2**63)
+    x = _from_order_key((packed >> 32).to(tl.int32))
+    ids = V - 1 - packed.to(tl.int32)  # the low word
+    num_valid = tl.sum((real & (x > low)).to(tl.int32), axis=0)
+    # the filters over the sorted candidates, as the ref applies them
+    k = tl.where((top_k > 0) & (top_k < V), top_k, V)
+    e = tl.where(real, tl.exp(x - m), 0.0)
+    in_k = n < k
+    s_k = tl.where(k < V, tl.sum(tl.where(in_k, e, 0.0), axis=0), s)
+    p = e / s_k
+    keep = real & in_k & ((tl.cumsum(p, axis=0) - p < top_p) | (n == 0))
+    probs = e / tl.sum(tl.where(keep, e, 0.0), axis=0)
+    keep = keep & (probs >= min_p * tl.max(tl.where(keep, probs, 0.0), axis=0))
+    num_kept = tl.sum(keep.to(tl.int32), axis=0)
+    settled = (k <= num_valid) | ((k == V) & (num_kept < num_valid)) | (num_valid >= V)
+    gumbel = tl.where(keep, probs / _noise(row_key, ids), -1.0)
+    token = tl.sum(tl.where(n == tl.argmax(gumbel, axis=0), ids, 0), axis=0)
+    no_filter = (k == V) & (top_p >= 1.0) & (min_p <= 0.0)
+    if no_filter & ~settled:  # the best of the tile winners
+        winners = tl.load(tile_winner_ptr + row * NUM_TILES + t, mask=t_mask, other=0)
+        winner_x = tl.load(stats + 3, mask=t_mask, other=float("-inf"))
+        winner_key = tl.where(t_mask, tl.exp(winner_x - m) / s / _noise(row_key, winners), -1.0)
+        token = tl.sum(tl.where(t == tl.argmax(winner_key, axis=0), winners, 0), axis=0)
+    if (temperature > 0.0) & ~settled & ~no_filter:  # the kept prefix runs past the candidates
+        row_logits = logits_ptr + row * stride_logits
+        token = _sample_by_thresholds(
+            row_logits, row_key, V, temperature, k, top_p, min_p, m, s, TILE
+        )
+    token = tl.where(temperature > 0.0, token, tl.sum(tl.where(n == 0, ids, 0), axis=0))
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _count_and_mass(row_logits, V, temperature, m, above, floor, TILE: tl.constexpr):
+    """(#tokens whose order key is > ``above``, Σ exp(x - m) over those whose key is also
+    >= ``floor``): one read of the row."""
+    count = tl.full([], 0, tl.int32)
+    mass = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, TILE):
+        cols = start + tl.arange(0, TILE)
+        mask = cols < V
+        x = _scaled(row_logits, cols, mask, temperature)
+        key = _order_key(x).to(tl.int64)
+        hit = mask & (key > above)
+        count += tl.sum(hit.to(tl.int32), axis=0)
+        mass += tl.sum(tl.where(hit & (key >= floor), tl.exp(x - m), 0.0), axis=0)
+    return count, mass
+
+
+@triton.jit
+def _sample_by_thresholds(
+    row_logits, row_key, V, temperature, k, top_p, min_p, m, s, TILE: tl.constexpr
+):
+    """A row whose kept prefix runs past its candidates: each cut found by bisection over the
+    order keys (33 reads of the row per cut), then the draw over ``key >= cut`` (one read)."""
+    bottom = tl.full([], -(2**31) - 1, tl.int64)  # below every order key
+    top = _order_key(m).to(tl.int64)
+    floor = bottom
+    s_k = s
+    if k < V:  # the k-th largest value: the smallest key with fewer than k tokens above it
+        lo, hi = bottom, top
+        for _ in range(33):
+            mid = (lo + hi) >> 1
+            count, _ = _count_and_mass(row_logits, V, temperature, m, mid, bottom, TILE)
+            hi = tl.where(count < k, mid, hi)
+            lo = tl.where(count < k, lo, mid)
+        floor = hi
+        _, s_k = _count_and_mass(row_logits, V, temperature, m, floor - 1, floor, TILE)
+    cut = floor
+    if top_p < 1.0:  # the smallest key with less than top_p of the top-k mass above it
+        lo, hi = floor - 1, top
+        for _ in range(33):
+            mid = (lo + hi) >> 1
+            _, mass = _count_and_mass(row_logits, V, temperature, m, mid, floor, TILE)
+            hi = tl.where(mass / s_k < top_p, mid, hi)
+            lo = tl.where(mass / s_k < top_p, lo, mid)
+        cut = hi
+    _, s_kept = _count_and_mass(row_logits, V, temperature, m, cut - 1, cut, TILE)
+    p_floor = min_p * (1.0 / s_kept)  # min_p times the largest prob, exp(m - m) / s_kept
+    best_key = tl.full([], -2.0, tl.float32)
+    best_id = tl.full([], 0, tl.int32)
+    for start in range(0, V, TILE):
+        cols = start + tl.arange(0, TILE)
+        mask = cols < V
+        x = _scaled(row_logits, cols, mask, temperature)
+        probs = tl.exp(x - m) / s_kept
+        keep = mask & (_order_key(x).to(tl.int64) >= cut) & (probs >= p_floor)
+        gumbel = tl.where(keep, probs / _noise(row_key, cols), -1.0)
+        chunk_best = tl.max(gumbel, axis=0)
+        better = chunk_best > best_key
+        best_id = tl.where(better, start + tl.argmax(gumbel, axis=0).to(tl.int32), best_id)
+        best_key = tl.where(better, chunk_best, best_key)
+    return best_id
+
+
+# -- launchers ----------------------------------------------------------------------------------
+def pack_params(
+    temperatures: Sequence[float],
+    top_ks: Sequence[int],
+    top_ps: Sequence[float],
+    min_ps: Sequence[float],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> list[int]:
+    """The rows' parameters as ``PARAM_WORDS`` int32 words each (one upload for the step):
+    ``seed`` low and high words, ``position`` (low word), ``top_k`` (<= 0: none), then the
+    float32 bits of ``temperature`` (0: greedy), ``top_p`` and ``min_p``, and a pad word."""
+    words: list[int] = []
+    for t, k, p, mp, seed, pos in zip(temperatures, top_ks, top_ps, min_ps, seeds, positions):
+        floats = struct.unpack("<3i", struct.pack("<3f", t, p, mp))
+        lo, hi = struct.unpack("<2i", struct.pack("<Q", seed))
+        pos_lo = struct.unpack("<i", struct.pack("<I", pos & _M32))[0]
+        words += [lo, hi, pos_lo, max(min(k, 2**31 - 1), 0), *floats, 0]
+    return words
+
+
+def _check_args(logits: torch.Tensor, params: torch.Tensor) -> None:
+    check(
+        logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1,
+        f"logits must be (B, V) float32 with unit-stride rows, got {tuple(logits.shape)} "
+        f"{logits.dtype} strides {tuple(logits.stride())}",
+    )
+    check(
+        params.shape == (logits.shape[0], PARAM_WORDS)
+        and params.dtype == torch.int32
+        and params.is_contiguous(),
+        f"params must be contiguous ({logits.shape[0]}, {PARAM_WORDS}) int32, got "
+        f"{tuple(params.shape)} {params.dtype}",
+    )
+    check(logits.device == params.device, "logits and params must be on one device")
+    check(logits.shape[1] < 2**31, "vocabulary must fit in int32")
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: torch.Tensor, *, tile: int = TILE, cand: int = CAND
+) -> torch.Tensor:
+    """One token per row (Triton, two launches). Reads ``logits`` and never modifies them.
+
+    Args:
+        logits: ``(B, V)`` float32, rows dense (the row stride free).
+        params: ``(B, PARAM_WORDS)`` int32 from :func:`pack_params`, on ``logits``' device.
+        tile, cand: pass 1's tile width and candidates per tile (powers of two, cand <= tile);
+            the engine keeps the defaults, the interpreted tests take small ones.
+
+    Returns ``(B,)`` int64 token ids.
+    """
+    _check_args(logits, params)
+    check_runnable(_sample_tiles_kernel, logits.device)
+    check(0 < cand <= tile and cand & (cand - 1) == 0 == tile & (tile - 1), "tile, cand: 2**i")
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return tokens
+    num_tiles = triton.cdiv(vocab, tile)
+    stats = torch.empty(rows, num_tiles, 4, dtype=torch.float32, device=logits.device)
+    winners = torch.empty(rows, num_tiles, dtype=torch.int32, device=logits.device)
+    candidates = torch.empty(rows, num_tiles, cand, dtype=torch.int64, device=logits.device)
+    _sample_tiles_kernel[(rows, num_tiles)](
+        logits, params, stats, winners, candidates, logits.stride(0), vocab,
+        NUM_TILES=num_tiles, TILE=tile, CAND=cand, num_warps=8,
+    )  # fmt: skip
+    _sample_pick_kernel[(rows,)](
+        logits, params, stats, winners, candidates, tokens, logits.stride(0), vocab,
+        NUM_TILES=num_tiles, TILES_POW2=triton.next_power_of_2(num_tiles), TILE=tile,
+        CAND=cand, num_warps=8,
+    )  # fmt: skip
+    return tokens
+
+
+def sample_tokens_cpu(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_tokens` on CPU tensors by one native call (no compiler: the ref)."""
+    _check_args(logits, params)
+    native.check_cpu(logits)
+    lib = native.load_library()
+    if lib is None:
+        return ref_sample_tokens(logits, params)
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64)
+    failed = lib.pdserve_sample_tokens(
+        tokens.data_ptr(), logits.data_ptr(), params.data_ptr(), rows, vocab,
+        logits.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native sample_tokens could not allocate its scratch rows")
+    return tokens
+
+
+# -- the reference: the sampler's eager path ----------------------------------------------------
+def unpack_params(params: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`pack_params`' columns as tensors on ``params``' device (views and small casts)."""
+    words = params.view(-1, PARAM_WORDS)
+    as_float = words.view(torch.float32)
+    low = words[:, 0].to(torch.int64) & _M32
+    return {
+        "seeds": low | (words[:, 1].to(torch.int64) << 32),
+        "positions": words[:, 2].to(torch.int64) & _M32,
+        "top_k": words[:, 3].to(torch.int64),
+        "temperature": as_float[:, 4],
+        "top_p": as_float[:, 5],
+        "min_p": as_float[:, 6],
+    }
+
+
+def ref_sample_tokens(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_tokens` in plain PyTorch (any device), op for op the sampler's former path."""
+    p = unpack_params(params)
+    greedy = logits.argmax(dim=-1)
+    temperature = p["temperature"][:, None]
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)
+    top_k = p["top_k"].tolist()
+    probs = torch.softmax(ref_top_k_top_p(scaled, top_k, p["top_p"]), dim=-1)
+    min_p = p["min_p"][:, None]
+    probs = torch.where(probs < min_p * probs.amax(-1, keepdim=True), 0.0, probs)
+    noise = exponential_noise(p["seeds"], p["positions"], logits.shape[-1])
+    drawn = (probs / noise).argmax(dim=-1)
+    return torch.where(p["temperature"] > 0, drawn, greedy)
+
+
+def ref_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    """``logits`` with what top-k, then top-p over the top-k's renormalised probs, drop set to
+    ``-inf`` (the best token always survives). ``top_k``: per row, <= 0 or >= V for none.
+    Every row's top-k below :data:`SMALL_TOP_K` (and no top-p past it): ``topk``, not a sort."""
+    V = logits.shape[-1]
+    ks = [k if 0 < k < V else V for k in top_k]
+    if all(k == V for k in ks) and bool((top_p >= 1.0).all()):
+        return logits
+    width = max(ks, default=V)
+    if width >= SMALL_TOP_K or width == V:
+        width = V
+    sorted_logits, order = logits.topk(width, dim=-1) if width < V else logits.sort(-1, True)
+    rank = torch.arange(width, device=logits.device)[None, :]
+    drop = rank >= torch.tensor(ks, device=logits.device)[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False  # the best token always survives
+    out = torch.full_like(logits, float("-inf")) if width < V else torch.empty_like(logits)
+    return out.scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))

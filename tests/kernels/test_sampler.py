@@ -1,0 +1,127 @@
+"""sample_tokens (Triton) and sample_tokens_cpu (native) against ref_sample_tokens, token for token.
+
+The ref is the sampler's former eager path (softmax, sort or topk, cumsum, the noise as a
+``(B, V)`` tensor); the kernels must draw the same token from the same (seed, position) noise.
+Ties are the one stated exception (see ``kernels/sampler.py``), so the logits here are random
+floats with no ties among the largest. The Triton kernels run with small tiles (256 entries, 16
+candidates each) so that a small vocabulary spans several tiles and every way pass 2 settles a
+row is reached: from the candidates, from the tile winners, and by bisection over the row.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.sampler import (
+    PARAM_WORDS,
+    exponential_noise,
+    pack_params,
+    ref_sample_tokens,
+    sample_tokens,
+    sample_tokens_cpu,
+    unpack_params,
+)
+
+# (temperature, top_k, top_p, min_p): how pass 2 settles the row with tile 256, cand 16
+TRITON_ROWS = [
+    (0.0, -1, 1.0, 0.0),  # greedy
+    (0.0, 5, 0.5, 0.1),  # greedy ignores the filters
+    (1.0, -1, 1.0, 0.0),  # no filter: the tile winners
+    (0.7, 10, 1.0, 0.0),  # top-k within the candidates
+    (1.0, 8, 0.6, 0.0),  # top-k, then top-p over its mass
+    (0.3, -1, 0.7, 0.0),  # a peaked row: the top-p prefix ends in the candidates
+    (0.5, 12, 0.95, 0.2),  # all three
+    (2.0, -1, 0.9, 0.0),  # a flat row: top-p by bisection
+    (1.5, -1, 1.0, 0.02),  # min-p alone runs past the candidates: bisection
+    (1.0, 200, 0.8, 0.0),  # top-k past the candidates: both bisections
+]
+
+
+def _params(rows, seeds, positions, device) -> torch.Tensor:
+    columns = [list(c) for c in zip(*rows, strict=True)]
+    words = pack_params(*columns, seeds, positions)
+    return torch.tensor(words, dtype=torch.int32, device=device).view(len(rows), PARAM_WORDS)
+
+
+def test_params_round_trip() -> None:
+    seeds, positions = [2**63 - 1, 0, 2**40 + 7], [0, 2**32 + 5, 123]
+    rows = [(0.0, -1, 1.0, 0.0), (0.7, 40, 0.9, 0.05), (1.5, 2**40, 0.5, 1.0)]
+    p = unpack_params(_params(rows, seeds, positions, torch.device("cpu")))
+    assert p["seeds"].tolist() == seeds
+    assert p["positions"].tolist() == [0, 5, 123]  # the noise hashes the low word only
+    assert p["top_k"].tolist() == [0, 40, 2**31 - 1]
+    assert p["temperature"].tolist() == pytest.approx([0.0, 0.7, 1.5])
+    assert p["min_p"].tolist() == pytest.approx([0.0, 0.05, 1.0])
+
+
+def test_ref_draws_with_the_sampler_noise() -> None:
+    """A row without filters is argmax(softmax(x / T) / E) with E of common/sampler.py."""
+    logits = torch.randn(3, 500)
+    rows = [(0.8, -1, 1.0, 0.0)] * 3
+    params = _params(rows, [1, 2, 3], [4, 5, 6], torch.device("cpu"))
+    noise = exponential_noise(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), 500)
+    expected = (torch.softmax(logits / 0.8, -1) / noise).argmax(-1)
+    assert torch.equal(ref_sample_tokens(logits, params), expected)
+
+
+def test_triton_matches_ref(device) -> None:
+    vocab = 1000  # four tiles of 256, the last one partial
+    logits = torch.randn(len(TRITON_ROWS), vocab, device=device) * 2.0
+    logits[5] *= 4.0  # peaked
+    seeds = [random.Random(i).randrange(2**63) for i in range(len(TRITON_ROWS))]
+    positions = list(range(3, 3 + len(TRITON_ROWS)))
+    params = _params(TRITON_ROWS, seeds, positions, device)
+    before = logits.clone()
+    tokens = sample_tokens(logits, params, tile=256, cand=16)
+    assert torch.equal(logits, before)  # read, never written
+    assert tokens.dtype == torch.int64
+    assert tokens.tolist() == ref_sample_tokens(logits, params).tolist()
+
+
+@pytest.mark.slow  # ~15 s interpreted: a sort of 4096 candidates
+def test_triton_default_tiles_one_partial_tile(device) -> None:
+    """The engine's tile and candidate count over a vocabulary below one tile."""
+    rows = [(0.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (0.7, 50, 0.9, 0.05)]
+    logits = torch.randn(len(rows), 300, device=device)
+    params = _params(rows, [11, 12, 13], [0, 1, 2], device)
+    assert sample_tokens(logits, params).tolist() == ref_sample_tokens(logits, params).tolist()
+
+
+def test_empty_batch(device) -> None:
+    params = torch.empty(0, PARAM_WORDS, dtype=torch.int32, device=device)
+    assert sample_tokens(torch.empty(0, 64, device=device), params).shape == (0,)
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 32000])
+def test_native_matches_ref(vocab: int) -> None:
+    """Many rows of every mix of filters; the native op on CPU tensors (one call)."""
+    rng = random.Random(vocab)
+    rows = [
+        (
+            rng.choice([0.0, 0.4, 1.0, 1.7]),
+            rng.choice([-1, -1, 1, 3, 40, 700]),
+            rng.choice([1.0, 1.0, 0.95, 0.6]),
+            rng.choice([0.0, 0.0, 0.05, 0.3]),
+        )
+        for _ in range(96)
+    ]
+    logits = torch.randn(len(rows), vocab) * torch.tensor([1.0, 4.0, 10.0]).repeat(32)[:, None]
+    seeds = [rng.randrange(2**63) for _ in rows]
+    positions = [rng.randrange(10_000) for _ in rows]
+    params = _params(rows, seeds, positions, torch.device("cpu"))
+    before = logits.clone()
+    tokens = torch.ops.pdserve.sample_tokens(logits, params)
+    assert torch.equal(logits, before)
+    assert torch.equal(tokens, sample_tokens_cpu(logits, params))
+    assert tokens.tolist() == ref_sample_tokens(logits, params).tolist()
+
+
+def test_refuses_bad_params() -> None:
+    logits = torch.randn(2, 10)
+    with pytest.raises(ValueError, match="params must be"):
+        sample_tokens_cpu(logits, torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32"):
+        sample_tokens_cpu(logits.double(), torch.zeros(2, PARAM_WORDS, dtype=torch.int32))
