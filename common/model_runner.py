@@ -360,6 +360,7 @@ class ModelRunner:
                         r.prompt_token_ids,
                         outputs,
                         r.eos_token_id,
+                        r.request_id if j == 0 else None,  # drafts' rows: no kept counts
                     )
                 )
             owners.append(r.request_id)

@@ -9,7 +9,8 @@ Sampling is Gumbel-max in its exponential form: ``argmax(p / E)`` with ``E ~ Exp
 A step with a random row samples the whole batch with one op, ``torch.ops.pdserve.sample_tokens``
 (``kernels/sampler.py``: temperature, top-k, top-p, min-p and the draw in two Triton launches on
 CUDA, one native call on the CPU), fed by one upload of every row's parameters; a step of greedy
-rows only is one ``argmax``. The grammar mask, the min-tokens ban and the penalties run before it,
+rows only is one ``argmax``. Penalties are applied inside that op from per-request counts kept on
+the device (``common/penalty_counts.py``). The grammar mask and the min-tokens ban run before it,
 each only in a step with a row that asks for it.
 """
 
@@ -21,8 +22,9 @@ from typing import NamedTuple
 import torch
 
 import kernels.ops  # noqa: F401 - registers torch.ops.pdserve.sample_tokens
+from common.penalty_counts import PenaltyCounts, SlotRow, fits
 from common.sampling_params import SamplingParams
-from kernels.sampler import PARAM_WORDS, exponential_noise, pack_params
+from kernels.sampler import PARAM_WORDS, RowParams, exponential_noise, pack_params
 
 __all__ = ["SampleRow", "Sampler", "SamplerOutput", "apply_token_bitmask", "exponential_noise"]
 
@@ -37,6 +39,8 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None
+    # the request's id: its penalty counts stay on the device between steps (None: rebuilt)
+    request_id: str | None = None
 
 
 class SamplerOutput(NamedTuple):
@@ -52,7 +56,11 @@ class Sampler:
     Nothing here waits for the device: per-row parameters travel as host lists and reach the
     device through pinned, non-blocking copies (``to_device``), and every choice that depends on
     them (which rows are random, whether any row has min-p) is made from the host lists.
+    Owns the penalty counts of the requests it samples (``common/penalty_counts.py``).
     """
+
+    def __init__(self) -> None:
+        self._penalties: PenaltyCounts | None = None  # made at the first step with penalties
 
     def sample(
         self, logits: torch.Tensor, rows: list[SampleRow], bitmask: object | None = None
@@ -63,26 +71,42 @@ class Sampler:
             assert isinstance(bitmask, torch.Tensor)
             logits = apply_token_bitmask(logits, bitmask)
         logits = _mask_min_tokens(logits, rows)
-        if any(r.params.needs_penalties for r in rows):
-            logits = _apply_penalties(logits, rows)
-        if all(r.params.greedy for r in rows):
+        penalised = [r for r in rows if r.params.needs_penalties]
+        if penalised and not fits(penalised):  # a count would overflow its 15 bits
+            logits, penalised = _apply_penalties(logits, rows), []
+        if not penalised and all(r.params.greedy for r in rows):
             token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = torch.ops.pdserve.sample_tokens(logits, _params(rows, logits.device))
+            slots = self._slots(rows, logits) if penalised else [None] * len(rows)
+            counts = self._counts(logits)
+            params = _params(rows, slots, logits.device)
+            token_ids = torch.ops.pdserve.sample_tokens(logits, params, counts)
         return _logprobs(raw, token_ids, rows)
 
+    def _slots(self, rows: list[SampleRow], logits: torch.Tensor) -> list[SlotRow | None]:
+        if self._penalties is None:
+            self._penalties = PenaltyCounts(logits.shape[1], logits.device, to_device)
+        return self._penalties.assign([r if r.params.needs_penalties else None for r in rows])
 
-def _params(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+    def _counts(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._penalties is None:  # no request had penalties yet: no slot to read
+            return logits.new_empty((0, logits.shape[1]), dtype=torch.int16)
+        return self._penalties.counts
+
+
+def _params(rows: list[SampleRow], slots: list[SlotRow | None], device) -> torch.Tensor:
     """Every row's sampling parameters, ``(B, PARAM_WORDS)`` int32, in one upload."""
-    words = pack_params(
-        [r.params.temperature for r in rows],
-        [r.params.top_k for r in rows],
-        [r.params.top_p for r in rows],
-        [r.params.min_p for r in rows],
-        [r.seed for r in rows],
-        [r.position for r in rows],
-    )
-    return to_device(words, torch.int32, device).view(len(rows), PARAM_WORDS)
+    packed = [_row_params(r, slot) for r, slot in zip(rows, slots, strict=True)]
+    return to_device(pack_params(packed), torch.int32, device).view(len(rows), PARAM_WORDS)
+
+
+def _row_params(r: SampleRow, slot: SlotRow | None) -> RowParams:
+    p = r.params
+    sample = (p.temperature, p.top_k, p.top_p, p.min_p, r.seed, r.position)
+    if slot is None:
+        return RowParams(*sample)
+    penalties = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    return RowParams(*sample, slot.slot, *penalties, slot.new_tokens)
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -127,7 +151,8 @@ def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (prompt + output, HF/vLLM semantics), presence and frequency (output only)."""
+    """Repetition (prompt + output, HF/vLLM semantics), presence and frequency (output only),
+    from the rows' whole token lists: the path of a request whose counts outgrow a slot."""
     B, V = logits.shape
     dev = logits.device
     out_rows = [i for i, r in enumerate(rows) for _ in r.output_token_ids]

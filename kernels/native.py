@@ -67,7 +67,7 @@ _PROTOTYPES = {
     + [_INT] * 4
     + [_I64] * 5
     + [_INT, _INT],
-    "pdserve_sample_tokens": [_PTR] * 3 + [_I64] * 3 + [_INT],
+    "pdserve_sample_tokens": [_PTR] * 4 + [_I64] * 3 + [_INT],
 }
 
 _lock = threading.Lock()

@@ -8,7 +8,7 @@ call that runs one kernel: a Triton launch on CUDA, one native call on the CPU (
 - ``silu_and_mul``: ``kernels/activation.py``
 - ``rotary_embedding_and_cache`` (mutates ``kv_cache_layer``): ``kernels/rotary.py``
 - ``paged_decode_attention_cpu`` (CPU only): ``kernels/cpu_attention.py``
-- ``sample_tokens`` (two Triton launches on CUDA): ``kernels/sampler.py``
+- ``sample_tokens`` (mutates ``counts``; two Triton launches on CUDA): ``kernels/sampler.py``
 
 Each module's ``<op>`` is the CUDA impl (Triton), ``<op>_cpu`` the CPU one (native), and its
 docstrings hold the contract (shapes, dtypes, what is mutated). The ops are registered with
@@ -47,7 +47,7 @@ SCHEMAS = {
         "paged_decode_attention_cpu(Tensor query, Tensor kv_cache_layer, Tensor block_tables, "
         "Tensor seq_lens, Tensor query_start_loc, int max_seq_len, float scale) -> Tensor"
     ),
-    "sample_tokens": "sample_tokens(Tensor logits, Tensor params) -> Tensor",
+    "sample_tokens": "sample_tokens(Tensor logits, Tensor params, Tensor(a!) counts) -> Tensor",
 }
 
 
@@ -77,7 +77,7 @@ _FAKES: dict[str, Callable[..., Any]] = {  # the output shapes, for meta tensors
         qkv.new_empty((qkv.shape[0], heads, kv.shape[-1]))
     ),
     "paged_decode_attention_cpu": lambda query, *_: torch.empty_like(query),
-    "sample_tokens": lambda logits, params: logits.new_empty(logits.shape[0], dtype=torch.int64),
+    "sample_tokens": lambda logits, *_: logits.new_empty(logits.shape[0], dtype=torch.int64),
 }
 
 

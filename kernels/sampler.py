@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,7 +46,9 @@ from kernels._common import check, check_runnable
 TILE = 4096  # vocabulary entries per pass-1 program
 CAND = 128  # candidates each tile hands to pass 2
 SMALL_TOP_K = 1024  # the ref takes topk instead of a full sort when every row's top_k is below
-PARAM_WORDS = 8  # int32 words per row of the packed parameters (see pack_params)
+PARAM_WORDS = 16  # int32 words per row of the packed parameters (see pack_params)
+NEW_TOKENS = 4  # output tokens a row's parameters can add to its counts (see pack_params)
+_NEW_TOKENS = tl.constexpr(NEW_TOKENS)
 _M32 = 0xFFFFFFFF
 
 
@@ -126,9 +129,30 @@ def _row_params(params_ptr):
 
 
 @triton.jit
-def _scaled(logits_ptr, cols, mask, temperature):
-    """``logits / temperature`` (a greedy row's raw logits), ``-inf`` past the vocabulary."""
-    x = tl.load(logits_ptr + cols, mask=mask, other=float("-inf"))
+def _scaled(logits_row, counts_ptr, row_params, cols, mask, V, COUNT_NEW: tl.constexpr):
+    """The row's penalised ``logits / temperature`` at ``cols`` (a greedy row's are not divided),
+    ``-inf`` past the vocabulary. ``COUNT_NEW``: first add the row's new output tokens to its
+    counts (pass 1, once per entry); pass 2 reads the counts as pass 1 left them."""
+    x = tl.load(logits_row + cols, mask=mask, other=float("-inf"))
+    slot = tl.load(row_params + 7)
+    if slot >= 0:
+        counts = counts_ptr + slot.to(tl.int64) * V
+        c = tl.load(counts + cols, mask=mask, other=0).to(tl.int32)  # sign bit: in the prompt
+        if COUNT_NEW:
+            j = tl.arange(0, _NEW_TOKENS)
+            new = tl.load(row_params + 12 + j)
+            fresh = (cols[:, None] == new[None, :]) & (j[None, :] < tl.load(row_params + 11))
+            hits = tl.sum(fresh.to(tl.int32), axis=1)
+            c += hits
+            tl.store(counts + cols, c.to(tl.int16), mask=mask & (hits > 0))
+        count = (c & 0x7FFF).to(tl.float32)
+        repetition = tl.load(row_params + 8).to(tl.float32, bitcast=True)
+        frequency = tl.load(row_params + 9).to(tl.float32, bitcast=True)
+        presence = tl.load(row_params + 10).to(tl.float32, bitcast=True)
+        penalised = tl.where(x > 0, x / repetition, x * repetition)
+        x = tl.where(c != 0, penalised, x)
+        x = x - frequency * count - presence * (count > 0).to(tl.float32)
+    temperature = tl.load(row_params + 4).to(tl.float32, bitcast=True)
     return x / tl.where(temperature > 0.0, temperature, 1.0)
 
 
@@ -137,6 +161,7 @@ def _scaled(logits_ptr, cols, mask, temperature):
 def _sample_tiles_kernel(
     logits_ptr,
     params_ptr,  # (B, PARAM_WORDS) int32
+    counts_ptr,  # (slots, V) int16, the rows' penalty counts (updated with their new tokens)
     tile_stats_ptr,  # (B, NUM_TILES, 4) fp32: max, Σ exp(x - max), CAND-th value, winner's x
     tile_winner_ptr,  # (B, NUM_TILES) int32
     candidates_ptr,  # (B, NUM_TILES, CAND) int64, packed, best first
@@ -148,11 +173,10 @@ def _sample_tiles_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    row_params = params_ptr + row * 8
-    temperature = tl.load(row_params + 4).to(tl.float32, bitcast=True)
+    row_params = params_ptr + row * 16
     cols = tile * TILE + tl.arange(0, TILE)
     mask = cols < V
-    x = _scaled(logits_ptr + row * stride_logits, cols, mask, temperature)
+    x = _scaled(logits_ptr + row * stride_logits, counts_ptr, row_params, cols, mask, V, True)
     x_max = tl.max(x, axis=0)
     e = tl.where(mask, tl.exp(x - x_max), 0.0)
     gumbel = tl.where(mask, e / _noise(_row_key(row_params), cols), -1.0)
@@ -178,6 +202,7 @@ def _sample_tiles_kernel(
 def _sample_pick_kernel(
     logits_ptr,
     params_ptr,
+    counts_ptr,
     tile_stats_ptr,
     tile_winner_ptr,
     candidates_ptr,
@@ -190,7 +215,7 @@ def _sample_pick_kernel(
     CAND: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_params = params_ptr + row * 8
+    row_params = params_ptr + row * 16
     temperature, top_k, top_p, min_p = _row_params(row_params)
     row_key = _row_key(row_params)
     t = tl.arange(0, TILES_POW2)
@@ -232,14 +257,14 @@ def _sample_pick_kernel(
     if (temperature > 0.0) & ~settled & ~no_filter:  # the kept prefix runs past the candidates
         row_logits = logits_ptr + row * stride_logits
         token = _sample_by_thresholds(
-            row_logits, row_key, V, temperature, k, top_p, min_p, m, s, TILE
+            row_logits, counts_ptr, row_params, row_key, V, k, top_p, min_p, m, s, TILE
         )
     token = tl.where(temperature > 0.0, token, tl.sum(tl.where(n == 0, ids, 0), axis=0))
     tl.store(tokens_ptr + row, token.to(tl.int64))
 
 
 @triton.jit
-def _count_and_mass(row_logits, V, temperature, m, above, floor, TILE: tl.constexpr):
+def _count_and_mass(row_logits, counts_ptr, row_params, V, m, above, floor, TILE: tl.constexpr):
     """(#tokens whose order key is > ``above``, Σ exp(x - m) over those whose key is also
     >= ``floor``): one read of the row."""
     count = tl.full([], 0, tl.int32)
@@ -247,7 +272,7 @@ def _count_and_mass(row_logits, V, temperature, m, above, floor, TILE: tl.conste
     for start in range(0, V, TILE):
         cols = start + tl.arange(0, TILE)
         mask = cols < V
-        x = _scaled(row_logits, cols, mask, temperature)
+        x = _scaled(row_logits, counts_ptr, row_params, cols, mask, V, False)
         key = _order_key(x).to(tl.int64)
         hit = mask & (key > above)
         count += tl.sum(hit.to(tl.int32), axis=0)
@@ -257,7 +282,7 @@ def _count_and_mass(row_logits, V, temperature, m, above, floor, TILE: tl.conste
 
 @triton.jit
 def _sample_by_thresholds(
-    row_logits, row_key, V, temperature, k, top_p, min_p, m, s, TILE: tl.constexpr
+    row_logits, counts_ptr, row_params, row_key, V, k, top_p, min_p, m, s, TILE: tl.constexpr
 ):
     """A row whose kept prefix runs past its candidates: each cut found by bisection over the
     order keys (33 reads of the row per cut), then the draw over ``key >= cut`` (one read)."""
@@ -269,28 +294,28 @@ def _sample_by_thresholds(
         lo, hi = bottom, top
         for _ in range(33):
             mid = (lo + hi) >> 1
-            count, _ = _count_and_mass(row_logits, V, temperature, m, mid, bottom, TILE)
+            count, _ = _count_and_mass(row_logits, counts_ptr, row_params, V, m, mid, bottom, TILE)
             hi = tl.where(count < k, mid, hi)
             lo = tl.where(count < k, lo, mid)
         floor = hi
-        _, s_k = _count_and_mass(row_logits, V, temperature, m, floor - 1, floor, TILE)
+        _, s_k = _count_and_mass(row_logits, counts_ptr, row_params, V, m, floor - 1, floor, TILE)
     cut = floor
     if top_p < 1.0:  # the smallest key with less than top_p of the top-k mass above it
         lo, hi = floor - 1, top
         for _ in range(33):
             mid = (lo + hi) >> 1
-            _, mass = _count_and_mass(row_logits, V, temperature, m, mid, floor, TILE)
+            _, mass = _count_and_mass(row_logits, counts_ptr, row_params, V, m, mid, floor, TILE)
             hi = tl.where(mass / s_k < top_p, mid, hi)
             lo = tl.where(mass / s_k < top_p, lo, mid)
         cut = hi
-    _, s_kept = _count_and_mass(row_logits, V, temperature, m, cut - 1, cut, TILE)
+    _, s_kept = _count_and_mass(row_logits, counts_ptr, row_params, V, m, cut - 1, cut, TILE)
     p_floor = min_p * (1.0 / s_kept)  # min_p times the largest prob, exp(m - m) / s_kept
     best_key = tl.full([], -2.0, tl.float32)
     best_id = tl.full([], 0, tl.int32)
     for start in range(0, V, TILE):
         cols = start + tl.arange(0, TILE)
         mask = cols < V
-        x = _scaled(row_logits, cols, mask, temperature)
+        x = _scaled(row_logits, counts_ptr, row_params, cols, mask, V, False)
         probs = tl.exp(x - m) / s_kept
         keep = mask & (_order_key(x).to(tl.int64) >= cut) & (probs >= p_floor)
         gumbel = tl.where(keep, probs / _noise(row_key, cols), -1.0)
@@ -302,27 +327,41 @@ def _sample_by_thresholds(
 
 
 # -- launchers ----------------------------------------------------------------------------------
-def pack_params(
-    temperatures: Sequence[float],
-    top_ks: Sequence[int],
-    top_ps: Sequence[float],
-    min_ps: Sequence[float],
-    seeds: Sequence[int],
-    positions: Sequence[int],
-) -> list[int]:
-    """The rows' parameters as ``PARAM_WORDS`` int32 words each (one upload for the step):
-    ``seed`` low and high words, ``position`` (low word), ``top_k`` (<= 0: none), then the
-    float32 bits of ``temperature`` (0: greedy), ``top_p`` and ``min_p``, and a pad word."""
+class RowParams(NamedTuple):
+    """What one row asks of :func:`sample_tokens`."""
+
+    temperature: float  # 0: greedy
+    top_k: int  # <= 0: none
+    top_p: float
+    min_p: float
+    seed: int
+    position: int
+    slot: int = -1  # the row of ``counts`` holding its penalty counts; -1: no penalties
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+    new_tokens: tuple[int, ...] = ()  # output tokens pass 1 adds to the slot's counts first
+
+
+def pack_params(rows: Sequence[RowParams]) -> list[int]:
+    """The rows as ``PARAM_WORDS`` int32 words each (one upload for the step): the seed's low and
+    high words, the position's low word, ``top_k``, the float32 bits of temperature, top_p and
+    min_p, ``slot``, the bits of the three penalties, the number of new tokens and up to
+    :data:`NEW_TOKENS` of them."""
     words: list[int] = []
-    for t, k, p, mp, seed, pos in zip(temperatures, top_ks, top_ps, min_ps, seeds, positions):
-        floats = struct.unpack("<3i", struct.pack("<3f", t, p, mp))
-        lo, hi = struct.unpack("<2i", struct.pack("<Q", seed))
-        pos_lo = struct.unpack("<i", struct.pack("<I", pos & _M32))[0]
-        words += [lo, hi, pos_lo, max(min(k, 2**31 - 1), 0), *floats, 0]
+    for r in rows:
+        check(len(r.new_tokens) <= NEW_TOKENS, f"at most {NEW_TOKENS} new tokens per row")
+        floats = struct.unpack("<3i", struct.pack("<3f", r.temperature, r.top_p, r.min_p))
+        penalties = struct.unpack("<3i", struct.pack("<3f", r.repetition, r.frequency, r.presence))
+        lo, hi = struct.unpack("<2i", struct.pack("<Q", r.seed))
+        pos_lo = struct.unpack("<i", struct.pack("<I", r.position & _M32))[0]
+        new = list(r.new_tokens) + [-1] * (NEW_TOKENS - len(r.new_tokens))
+        top_k = max(min(r.top_k, 2**31 - 1), 0)
+        words += [lo, hi, pos_lo, top_k, *floats, r.slot, *penalties, len(r.new_tokens), *new]
     return words
 
 
-def _check_args(logits: torch.Tensor, params: torch.Tensor) -> None:
+def _check_args(logits: torch.Tensor, params: torch.Tensor, counts: torch.Tensor) -> None:
     check(
         logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1,
         f"logits must be (B, V) float32 with unit-stride rows, got {tuple(logits.shape)} "
@@ -335,24 +374,44 @@ def _check_args(logits: torch.Tensor, params: torch.Tensor) -> None:
         f"params must be contiguous ({logits.shape[0]}, {PARAM_WORDS}) int32, got "
         f"{tuple(params.shape)} {params.dtype}",
     )
-    check(logits.device == params.device, "logits and params must be on one device")
+    check(
+        counts.dim() == 2
+        and counts.shape[1] == logits.shape[1]
+        and counts.dtype == torch.int16
+        and counts.is_contiguous(),
+        f"counts must be contiguous (slots, {logits.shape[1]}) int16, got "
+        f"{tuple(counts.shape)} {counts.dtype}",
+    )
+    check(
+        logits.device == params.device == counts.device,
+        "logits, params and counts must be on one device",
+    )
     check(logits.shape[1] < 2**31, "vocabulary must fit in int32")
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: torch.Tensor, *, tile: int = TILE, cand: int = CAND
+    logits: torch.Tensor,
+    params: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    tile: int = TILE,
+    cand: int = CAND,
 ) -> torch.Tensor:
     """One token per row (Triton, two launches). Reads ``logits`` and never modifies them.
 
     Args:
         logits: ``(B, V)`` float32, rows dense (the row stride free).
         params: ``(B, PARAM_WORDS)`` int32 from :func:`pack_params`, on ``logits``' device.
+        counts: ``(slots, V)`` int16 penalty counts, one row per slot (the sign bit: the token
+            is in the prompt; the low 15 bits: its count in the output). **Mutated**: each row
+            with a slot adds its ``new_tokens`` to that slot's counts before it is penalised.
+            Two rows must not share a slot. ``(0, V)`` when no row has penalties.
         tile, cand: pass 1's tile width and candidates per tile (powers of two, cand <= tile);
             the engine keeps the defaults, the interpreted tests take small ones.
 
     Returns ``(B,)`` int64 token ids.
     """
-    _check_args(logits, params)
+    _check_args(logits, params, counts)
     check_runnable(_sample_tiles_kernel, logits.device)
     check(0 < cand <= tile and cand & (cand - 1) == 0 == tile & (tile - 1), "tile, cand: 2**i")
     rows, vocab = logits.shape
@@ -363,30 +422,33 @@ def sample_tokens(
     stats = torch.empty(rows, num_tiles, 4, dtype=torch.float32, device=logits.device)
     winners = torch.empty(rows, num_tiles, dtype=torch.int32, device=logits.device)
     candidates = torch.empty(rows, num_tiles, cand, dtype=torch.int64, device=logits.device)
+    # no FMA contraction: the penalties round as the ref's separate multiply and subtract
     _sample_tiles_kernel[(rows, num_tiles)](
-        logits, params, stats, winners, candidates, logits.stride(0), vocab,
-        NUM_TILES=num_tiles, TILE=tile, CAND=cand, num_warps=8,
+        logits, params, counts, stats, winners, candidates, logits.stride(0), vocab,
+        NUM_TILES=num_tiles, TILE=tile, CAND=cand, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     _sample_pick_kernel[(rows,)](
-        logits, params, stats, winners, candidates, tokens, logits.stride(0), vocab,
+        logits, params, counts, stats, winners, candidates, tokens, logits.stride(0), vocab,
         NUM_TILES=num_tiles, TILES_POW2=triton.next_power_of_2(num_tiles), TILE=tile,
-        CAND=cand, num_warps=8,
+        CAND=cand, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     return tokens
 
 
-def sample_tokens_cpu(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def sample_tokens_cpu(
+    logits: torch.Tensor, params: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """:func:`sample_tokens` on CPU tensors by one native call (no compiler: the ref)."""
-    _check_args(logits, params)
+    _check_args(logits, params, counts)
     native.check_cpu(logits)
     lib = native.load_library()
     if lib is None:
-        return ref_sample_tokens(logits, params)
+        return ref_sample_tokens(logits, params, counts)
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64)
     failed = lib.pdserve_sample_tokens(
-        tokens.data_ptr(), logits.data_ptr(), params.data_ptr(), rows, vocab,
-        logits.stride(0), torch.get_num_threads(),
+        tokens.data_ptr(), logits.data_ptr(), params.data_ptr(), counts.data_ptr(), rows,
+        vocab, logits.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError("native sample_tokens could not allocate its scratch rows")
@@ -406,12 +468,20 @@ def unpack_params(params: torch.Tensor) -> dict[str, torch.Tensor]:
         "temperature": as_float[:, 4],
         "top_p": as_float[:, 5],
         "min_p": as_float[:, 6],
+        "slot": words[:, 7],
+        "penalties": as_float[:, 8:11],  # repetition, frequency, presence
+        "num_new": words[:, 11],
+        "new_tokens": words[:, 12:],
     }
 
 
-def ref_sample_tokens(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """:func:`sample_tokens` in plain PyTorch (any device), op for op the sampler's former path."""
+def ref_sample_tokens(
+    logits: torch.Tensor, params: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """:func:`sample_tokens` in plain PyTorch (any device), op for op the sampler's former path
+    (``counts`` mutated the same way)."""
     p = unpack_params(params)
+    logits = ref_penalise(logits, p, counts)
     greedy = logits.argmax(dim=-1)
     temperature = p["temperature"][:, None]
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)
@@ -422,6 +492,29 @@ def ref_sample_tokens(logits: torch.Tensor, params: torch.Tensor) -> torch.Tenso
     noise = exponential_noise(p["seeds"], p["positions"], logits.shape[-1])
     drawn = (probs / noise).argmax(dim=-1)
     return torch.where(p["temperature"] > 0, drawn, greedy)
+
+
+def ref_penalise(
+    logits: torch.Tensor, p: dict[str, torch.Tensor], counts: torch.Tensor
+) -> torch.Tensor:
+    """Each row with a slot: its new tokens counted, then repetition (prompt + output, HF/vLLM
+    semantics), frequency and presence (output only) penalties, on a copy of ``logits``."""
+    slots = p["slot"].tolist()
+    if all(slot < 0 for slot in slots):
+        return logits
+    logits = logits.clone()
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        for token in p["new_tokens"][i, : p["num_new"][i]].tolist():
+            counts[slot, token] += 1
+        c = counts[slot].to(torch.int32)
+        count = (c & 0x7FFF).float()
+        repetition, frequency, presence = p["penalties"][i]
+        penalised = torch.where(logits[i] > 0, logits[i] / repetition, logits[i] * repetition)
+        row = torch.where(c != 0, penalised, logits[i])
+        logits[i] = row - frequency * count - presence * (count > 0).float()
+    return logits
 
 
 def ref_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,10 @@
  *
  * A row's parameters are PARAM_WORDS int32 words (kernels/sampler.py: pack_params): the seed's
  * low and high words, the position's low word, top_k (<= 0: none), the float32 bits of the
- * temperature (0: greedy), top_p and min_p. The noise of token v is -log(u(hash(seed, position,
+ * temperature (0: greedy), top_p and min_p; the row's slot in the penalty counts (-1: none),
+ * the bits of the repetition, frequency and presence penalties, and up to NEW_TOKENS output
+ * tokens to count first. A slot's counts are int16: the sign bit marks a prompt token, the low
+ * 15 bits count it in the output. The noise of token v is -log(u(hash(seed, position,
  * v))), the same 32-bit hash as common/sampler.py's, and the token is argmax(probs / noise) over
  * the kept tokens; every filter keeps a prefix of the tokens sorted by logit. Per row:
  *   - greedy: the first largest logit (torch.argmax);
@@ -21,7 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PARAM_WORDS 8
+#define PARAM_WORDS 16
+#define NEW_TOKENS 4
 #define FIRST_CANDIDATES 64
 #define PARALLEL_MIN_ELEMS (1 << 16)
 
@@ -173,7 +177,28 @@ static int64_t draw_prefix(const Row *r, float m, int64_t *c) {
     return best;
 }
 
-static int64_t sample_row(const float *logits, const int32_t *p, int64_t V, int64_t *scratch) {
+/* The row's new tokens counted, then its logits penalised into `out` (the ref's arithmetic:
+ * a separate multiply and subtract, no FMA, as compiled here). */
+static void penalise(float *out, const float *logits, const int32_t *p, int16_t *counts,
+                     int64_t V) {
+    for (int32_t j = 0; j < p[11] && j < NEW_TOKENS; j++)
+        if (p[12 + j] >= 0 && p[12 + j] < V) counts[p[12 + j]]++;
+    const float repetition = word_float(p[8]), frequency = word_float(p[9]);
+    const float presence = word_float(p[10]);
+    for (int64_t v = 0; v < V; v++) {
+        const int32_t c = counts[v];
+        const float count = (float)(c & 0x7FFF), x = logits[v];
+        const float seen = c != 0 ? (x > 0.0f ? x / repetition : x * repetition) : x;
+        out[v] = seen - frequency * count - presence * (count > 0.0f ? 1.0f : 0.0f);
+    }
+}
+
+static int64_t sample_row(const float *logits, const int32_t *p, int16_t *counts, int64_t V,
+                          int64_t *scratch, float *penalised) {
+    if (p[7] >= 0) {
+        penalise(penalised, logits, p, counts + (int64_t)p[7] * V, V);
+        logits = penalised;
+    }
     Row r = {logits, V, word_float(p[4]), word_float(p[5]), word_float(p[6]),
              p[3] > 0 && p[3] < V ? p[3] : V, row_key(p)};
     if (!(r.temperature > 0.0f)) return greedy(&r);
@@ -184,18 +209,23 @@ static int64_t sample_row(const float *logits, const int32_t *p, int64_t V, int6
 }
 
 int pdserve_sample_tokens(int64_t *tokens, const float *logits, const int32_t *params,
-                          int64_t rows, int64_t V, int64_t stride, int num_threads) {
+                          int16_t *counts, int64_t rows, int64_t V, int64_t stride,
+                          int num_threads) {
     int status = 0;
     const int parallel = rows > 1 && num_threads > 1 && rows * V >= PARALLEL_MIN_ELEMS;
 #pragma omp parallel num_threads(parallel ? num_threads : 1) reduction(max : status)
     {
         int64_t *scratch = malloc((size_t)V * sizeof *scratch);
-        if (scratch == NULL) status = 1;
+        float *penalised = malloc((size_t)V * sizeof *penalised);
+        const int ok = scratch != NULL && penalised != NULL;
+        status = ok ? 0 : 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < rows; i++)
-            if (scratch != NULL)
-                tokens[i] = sample_row(logits + i * stride, params + i * PARAM_WORDS, V, scratch);
+            if (ok)
+                tokens[i] = sample_row(logits + i * stride, params + i * PARAM_WORDS, counts, V,
+                                       scratch, penalised);
         free(scratch);
+        free(penalised);
     }
     return status;
 }

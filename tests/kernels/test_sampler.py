@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from kernels.sampler import (
+    NEW_TOKENS,
     PARAM_WORDS,
+    RowParams,
     exponential_noise,
     pack_params,
     ref_sample_tokens,
@@ -40,21 +42,47 @@ TRITON_ROWS = [
 ]
 
 
-def _params(rows, seeds, positions, device) -> torch.Tensor:
-    columns = [list(c) for c in zip(*rows, strict=True)]
-    words = pack_params(*columns, seeds, positions)
+def _params(rows, seeds, positions, device, penalties=None) -> torch.Tensor:
+    """``penalties``: per row None or (slot, repetition, frequency, presence, new tokens)."""
+    penalties = penalties or [None] * len(rows)
+    packed = [
+        RowParams(*row, seed, position, *(extra or ()))
+        for row, seed, position, extra in zip(rows, seeds, positions, penalties, strict=True)
+    ]
+    words = pack_params(packed)
     return torch.tensor(words, dtype=torch.int32, device=device).view(len(rows), PARAM_WORDS)
+
+
+def _no_counts(vocab: int, device) -> torch.Tensor:
+    return torch.zeros(0, vocab, dtype=torch.int16, device=device)
+
+
+def _counts(slots: int, vocab: int, device, seed: int) -> torch.Tensor:
+    """Random counts: a few prompt tokens (the sign bit), a few output counts, some both."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(slots, vocab, dtype=torch.int16)
+    prompt = torch.rand(slots, vocab, generator=gen) < 0.02
+    counts[prompt] = -(2**15)
+    counts += (torch.rand(slots, vocab, generator=gen) < 0.03) * torch.randint(
+        1, 9, (slots, vocab), generator=gen, dtype=torch.int16
+    )
+    return counts.to(device)
 
 
 def test_params_round_trip() -> None:
     seeds, positions = [2**63 - 1, 0, 2**40 + 7], [0, 2**32 + 5, 123]
     rows = [(0.0, -1, 1.0, 0.0), (0.7, 40, 0.9, 0.05), (1.5, 2**40, 0.5, 1.0)]
-    p = unpack_params(_params(rows, seeds, positions, torch.device("cpu")))
+    extra = [None, (3, 1.2, 0.5, -0.25, (7, 9)), None]
+    p = unpack_params(_params(rows, seeds, positions, torch.device("cpu"), extra))
     assert p["seeds"].tolist() == seeds
     assert p["positions"].tolist() == [0, 5, 123]  # the noise hashes the low word only
     assert p["top_k"].tolist() == [0, 40, 2**31 - 1]
     assert p["temperature"].tolist() == pytest.approx([0.0, 0.7, 1.5])
     assert p["min_p"].tolist() == pytest.approx([0.0, 0.05, 1.0])
+    assert p["slot"].tolist() == [-1, 3, -1]
+    assert p["penalties"][1].tolist() == pytest.approx([1.2, 0.5, -0.25])
+    assert p["num_new"].tolist() == [0, 2, 0]
+    assert p["new_tokens"][1].tolist() == [7, 9] + [-1] * (NEW_TOKENS - 2)
 
 
 def test_ref_draws_with_the_sampler_noise() -> None:
@@ -64,7 +92,7 @@ def test_ref_draws_with_the_sampler_noise() -> None:
     params = _params(rows, [1, 2, 3], [4, 5, 6], torch.device("cpu"))
     noise = exponential_noise(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), 500)
     expected = (torch.softmax(logits / 0.8, -1) / noise).argmax(-1)
-    assert torch.equal(ref_sample_tokens(logits, params), expected)
+    assert torch.equal(ref_sample_tokens(logits, params, _no_counts(500, "cpu")), expected)
 
 
 def test_triton_matches_ref(device) -> None:
@@ -75,10 +103,32 @@ def test_triton_matches_ref(device) -> None:
     positions = list(range(3, 3 + len(TRITON_ROWS)))
     params = _params(TRITON_ROWS, seeds, positions, device)
     before = logits.clone()
-    tokens = sample_tokens(logits, params, tile=256, cand=16)
+    tokens = sample_tokens(logits, params, _no_counts(vocab, device), tile=256, cand=16)
     assert torch.equal(logits, before)  # read, never written
     assert tokens.dtype == torch.int64
-    assert tokens.tolist() == ref_sample_tokens(logits, params).tolist()
+    assert tokens.tolist() == ref_sample_tokens(logits, params, _no_counts(vocab, device)).tolist()
+
+
+def test_triton_penalties_match_ref(device) -> None:
+    """Rows with slots: the new tokens counted in place (each once, across tiles), then the
+    penalties; greedy rows are penalised too, and a row without a slot is left alone."""
+    rows = [(0.0, -1, 1.0, 0.0), (0.8, 20, 0.9, 0.0), (1.0, -1, 1.0, 0.0), (0.0, -1, 1.0, 0.0)]
+    extra = [
+        (2, 1.3, 0.0, 0.0, (5, 5, 700)),  # one token twice, one in the last tile
+        (0, 1.1, 0.4, 0.3, (1,)),
+        None,
+        (1, 0.8, -0.5, 0.0, ()),  # repetition below 1 favours what was seen
+    ]
+    vocab = 900
+    logits = torch.randn(len(rows), vocab, device=device)
+    params = _params(rows, [1, 2, 3, 4], [9, 8, 7, 6], device, extra)
+    counts = _counts(3, vocab, device, seed=0)
+    expected_counts = counts.clone()
+    expected = ref_sample_tokens(logits, params, expected_counts)
+    tokens = sample_tokens(logits, params, counts, tile=256, cand=16)
+    assert tokens.tolist() == expected.tolist()
+    assert torch.equal(counts, expected_counts)
+    assert counts[2, 5] - _counts(3, vocab, "cpu", seed=0)[2, 5].to(device) == 2
 
 
 @pytest.mark.slow  # ~15 s interpreted: a sort of 4096 candidates
@@ -87,12 +137,16 @@ def test_triton_default_tiles_one_partial_tile(device) -> None:
     rows = [(0.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (0.7, 50, 0.9, 0.05)]
     logits = torch.randn(len(rows), 300, device=device)
     params = _params(rows, [11, 12, 13], [0, 1, 2], device)
-    assert sample_tokens(logits, params).tolist() == ref_sample_tokens(logits, params).tolist()
+    none = _no_counts(300, device)
+    assert sample_tokens(logits, params, none).tolist() == (
+        ref_sample_tokens(logits, params, none).tolist()
+    )
 
 
 def test_empty_batch(device) -> None:
     params = torch.empty(0, PARAM_WORDS, dtype=torch.int32, device=device)
-    assert sample_tokens(torch.empty(0, 64, device=device), params).shape == (0,)
+    logits = torch.empty(0, 64, device=device)
+    assert sample_tokens(logits, params, _no_counts(64, device)).shape == (0,)
 
 
 @pytest.mark.parametrize("vocab", [7, 1000, 32000])
@@ -111,17 +165,30 @@ def test_native_matches_ref(vocab: int) -> None:
     logits = torch.randn(len(rows), vocab) * torch.tensor([1.0, 4.0, 10.0]).repeat(32)[:, None]
     seeds = [rng.randrange(2**63) for _ in rows]
     positions = [rng.randrange(10_000) for _ in rows]
-    params = _params(rows, seeds, positions, torch.device("cpu"))
+    # every third row penalised, each in its own slot, with up to NEW_TOKENS new tokens
+    extra = [
+        (i // 3, *rng.choice([(1.3, 0.0, 0.0), (0.9, 0.2, 0.1), (1.0, -0.3, 0.5)]),
+         tuple(rng.randrange(vocab) for _ in range(rng.randrange(NEW_TOKENS + 1))))
+        if i % 3 == 0 else None
+        for i in range(len(rows))
+    ]  # fmt: skip
+    params = _params(rows, seeds, positions, torch.device("cpu"), extra)
+    counts = _counts(len(rows) // 3, vocab, "cpu", seed=vocab)
+    ref_counts, again = counts.clone(), counts.clone()
     before = logits.clone()
-    tokens = torch.ops.pdserve.sample_tokens(logits, params)
+    tokens = torch.ops.pdserve.sample_tokens(logits, params, counts)
     assert torch.equal(logits, before)
-    assert torch.equal(tokens, sample_tokens_cpu(logits, params))
-    assert tokens.tolist() == ref_sample_tokens(logits, params).tolist()
+    assert tokens.tolist() == ref_sample_tokens(logits, params, ref_counts).tolist()
+    assert torch.equal(counts, ref_counts)
+    assert torch.equal(tokens, sample_tokens_cpu(logits, params, again))
 
 
 def test_refuses_bad_params() -> None:
     logits = torch.randn(2, 10)
+    params = torch.zeros(2, PARAM_WORDS, dtype=torch.int32)
     with pytest.raises(ValueError, match="params must be"):
-        sample_tokens_cpu(logits, torch.zeros(2, 4, dtype=torch.int32))
+        sample_tokens_cpu(logits, params[:, :4], _no_counts(10, "cpu"))
     with pytest.raises(ValueError, match="float32"):
-        sample_tokens_cpu(logits.double(), torch.zeros(2, PARAM_WORDS, dtype=torch.int32))
+        sample_tokens_cpu(logits.double(), params, _no_counts(10, "cpu"))
+    with pytest.raises(ValueError, match="counts must be"):
+        sample_tokens_cpu(logits, params, torch.zeros(1, 10, dtype=torch.int32))

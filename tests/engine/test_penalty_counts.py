@@ -1,0 +1,96 @@
+"""Penalty counts kept on the device: slots built once, new tokens counted by the fused sampler,
+the same tokens as penalties recomputed from the whole token lists every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import LLM, SamplingParams
+from common import penalty_counts as penalty_module
+from common.penalty_counts import PenaltyCounts, SlotRow
+from common.sampler import Sampler, SampleRow
+
+
+def upload(values, dtype, device):
+    return torch.as_tensor(values, dtype=dtype).to(device)
+
+
+def row(request_id, prompt, output, **penalties) -> SampleRow:
+    params = SamplingParams(temperature=0.0, **(penalties or {"repetition_penalty": 1.2}))
+    return SampleRow(params, 1, len(output), list(prompt), list(output), None, request_id)
+
+
+def test_a_slot_is_built_once_then_fed_new_tokens() -> None:
+    counts = PenaltyCounts(10, torch.device("cpu"), upload)
+    first = counts.assign([row("a", [1, 1, 2], [3, 3]), None])
+    assert first == [SlotRow(0, ()), None]
+    assert counts.counts[0].tolist() == [0, -(2**15), -(2**15), 2, 0, 0, 0, 0, 0, 0]
+    # the next step hands over only the outputs not counted yet
+    assert counts.assign([row("a", [1, 1, 2], [3, 3, 4])]) == [SlotRow(0, (4,))]
+    assert counts.counts[0, 4] == 0  # counted by the sampler's kernel, not here
+    counts.check_integrity()
+
+
+def test_slots_of_absent_requests_are_reused_least_recent_first() -> None:
+    counts = PenaltyCounts(10, torch.device("cpu"), upload)
+    counts.assign([row(r, [1], []) for r in "abcdefgh"])  # the first 8 slots
+    counts.assign([row(r, [1], []) for r in "abcdefg"])  # h is the least recent now
+    assert counts.assign([row("z", [5], [])]) == [SlotRow(7, ())]
+    assert counts.counts[7].tolist() == [0, 0, 0, 0, 0, -(2**15), 0, 0, 0, 0]
+    # a step holding more requests than slots doubles the tensor
+    out = counts.assign([row(r, [1], []) for r in "abcdefgzy"])
+    assert [s.slot for s in out] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert counts.counts.shape == (16, 10)
+    counts.check_integrity()
+
+
+def test_rows_without_an_id_or_with_many_new_tokens_are_built_again() -> None:
+    counts = PenaltyCounts(10, torch.device("cpu"), upload)
+    counts.assign([row("a", [1], [2])])
+    out = counts.assign([row("a", [1], [2, 3, 4, 5, 6, 7]), row(None, [1], [2, 2])])
+    assert out == [SlotRow(0, ()), SlotRow(1, ())]  # "a" rebuilt in its own slot
+    assert counts.counts[0, 2:8].tolist() == [1] * 6
+    assert counts.counts[1, 2] == 2
+    counts.check_integrity()
+
+
+def test_the_sampler_counts_new_tokens_in_its_slots() -> None:
+    sampler = Sampler()
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 1.0
+    first = row("a", [], [], frequency_penalty=0.6)
+    assert sampler.sample(logits, [first]).token_ids.tolist() == [3]
+    # after one 3 the penalty is 0.6: 1.0 - 0.6 > 0; after two, 1.0 - 1.2 < 0: token 0 wins
+    second = row("a", [], [3], frequency_penalty=0.6)
+    assert sampler.sample(logits, [second]).token_ids.tolist() == [3]
+    third = row("a", [], [3, 3], frequency_penalty=0.6)
+    assert sampler.sample(logits, [third]).token_ids.tolist() == [0]
+    assert sampler._penalties is not None and sampler._penalties.counts[0, 3] == 2
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="tiny-llama", max_num_batched_tokens=64)
+
+
+def _generate(llm) -> list[list[int]]:
+    prompts = [[11, 12, 13, 11, 12] * 3, [7, 7, 8] * 5, [20 + i for i in range(17)]]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.4, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.7, seed=5, max_tokens=24),
+        SamplingParams(temperature=0.8, top_k=20, presence_penalty=1.1, seed=9, max_tokens=24),
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_kept_counts_give_the_tokens_of_whole_lists(llm, monkeypatch) -> None:
+    """The same requests, once with device counts kept between steps, once penalised from the
+    whole prompt and output lists each step (the eager path): token for token."""
+    kept = _generate(llm)
+    monkeypatch.setattr(penalty_module, "MAX_OUTPUTS", 0)  # every step takes the eager path
+    assert _generate(llm) == kept
+    counts = llm.engine.runner.sampler._penalties
+    assert counts is not None and counts.counts.shape[0] >= 3
+    counts.check_integrity()
