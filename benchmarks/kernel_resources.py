@@ -30,7 +30,7 @@ from kernels.warmup import ModelShape, warm_up
 
 BLOCK_SIZE, MAX_TOKENS = 16, 8192
 # the constexprs that tell one engine's variants of a kernel apart
-BUCKETS = ("HAS_RESIDUAL", "HIDDEN", "BLOCK_M", "SINGLE_PARTITION", "PARTITIONS_POW2", "TO_CACHE")
+BUCKETS = ("HAS_RESIDUAL", "HIDDEN", "BLOCK_M", "BLOCK_N", "TO_CACHE")
 
 
 class Row(NamedTuple):

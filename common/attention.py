@@ -9,18 +9,26 @@ everything in the cache, so prefix hits and earlier prompt chunks need no specia
 - ``TorchAttentionBackend``: plain PyTorch, runs anywhere; it is the reference.
 - ``CpuAttentionBackend``: the torch path with decode rows handed to the native C kernel of
   ``kernels/cpu_attention.py``, which reads the blocks in place (the default on CPU).
-- ``TritonAttentionBackend``: the kernels of ``kernels/`` (CUDA, or CPU under TRITON_INTERPRET=1).
+- ``TritonAttentionBackend``: the kernels of ``kernels/`` by row kind (``common/attention_plan.py``;
+  CUDA, or CPU under TRITON_INTERPRET=1), FlashAttention for fresh prompts on CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from common.attention_plan import RowTensors, StepLaunch, step_launch
+
+try:  # FlashAttention-2 varlen (torch >= 2.10)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch: chunks all take the Triton kernel
+    varlen_attn = None
 
 
 class LayerHooks(Protocol):
@@ -49,6 +57,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     hooks: LayerHooks | None = None
+    # What a backend derives once per step for all layers (its row split, index tensors).
+    step_cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -211,29 +221,77 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
 
 class TritonAttentionBackend:
-    """The Triton kernels of ``kernels/`` (CUDA; CPU only under ``TRITON_INTERPRET=1``)."""
+    """The Triton kernels of ``kernels/`` (CUDA; CPU only under ``TRITON_INTERPRET=1``), by row
+    kind (:func:`step_launch`): one-token rows to the split-K decode kernel, prompts with no
+    cached context to FlashAttention (torch's varlen flash kernel, CUDA and half dtypes only),
+    other chunks to the GQA-packed paged prefill kernel. A pure-decode step (every CUDA graph)
+    is one decode launch over the step's own buffers.
+
+    ``flash``: ``None`` decides per step (CUDA, fp16/bf16, torch's varlen API present);
+    ``True``/``False`` force it (tests).
+    """
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, flash: bool | None = None) -> None:
         import kernels  # imported lazily: CPU-only users never need triton
+        from kernels.paged_decode_attention import num_sms
 
         self._k = kernels
+        self._num_sms = num_sms
+        self._flash = flash
 
     def attend(self, query, kv_layer, meta, scale) -> torch.Tensor:
         if meta.max_query_len == 1:
             return self._k.paged_decode_attention(
-                query, kv_layer, meta.block_tables, meta.seq_lens, scale
-            )
-        return self._k.paged_prefill_attention(
-            query,
-            kv_layer,
-            meta.block_tables,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.max_query_len,
-            scale,
-        )
+                query, kv_layer, meta.block_tables, meta.seq_lens, scale,
+                max_seq_len=meta.max_seq_len,
+            )  # fmt: skip
+        launch, rows = self._step(query, kv_layer, meta)
+        out = torch.zeros_like(query)
+        if launch.decode_rows:
+            self._decode(out, query, kv_layer, launch, rows, scale)
+        if launch.flash_rows:
+            _flash_prefill(out, query, kv_layer, rows, launch.flash_max_len, scale)
+        if launch.tiles:
+            self._k.paged_prefill_attention(
+                query, kv_layer, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                launch.prefill_max_query_len, scale, tiles=rows.tiles, out=out,
+            )  # fmt: skip
+        return out
+
+    def _decode(self, out, query, kv_layer, launch: StepLaunch, rows: RowTensors, scale) -> None:
+        o = self._k.paged_decode_attention(
+            query.index_select(0, rows.decode_tokens), kv_layer, rows.decode_tables,
+            rows.decode_seq_lens, scale, plan=launch.decode_plan,
+        )  # fmt: skip
+        out.index_copy_(0, rows.decode_tokens, o)
+
+    def _step(self, query, kv_layer, meta: AttentionMetadata) -> tuple[StepLaunch, RowTensors]:
+        """The step's launch and its device index tensors, built by the first layer."""
+        if "triton" not in meta.step_cache:
+            flash = self._flash
+            if flash is None:
+                flash = query.is_cuda and query.dtype != torch.float32 and varlen_attn is not None
+            _, _, block_size, num_kv_heads, _ = kv_layer.shape
+            shape = (query.shape[1], num_kv_heads)
+            launch = step_launch(meta, *shape, flash, self._num_sms(query.device))
+            meta.step_cache["triton"] = (launch, RowTensors.build(launch, meta, block_size))
+        return meta.step_cache["triton"]
+
+
+def _flash_prefill(out, query, kv_layer, rows: RowTensors, max_len: int, scale) -> None:
+    """Causal FlashAttention of prompts with no cached context: their K/V gathered from the
+    layer's cache (just written by the rotary op) into packed ``(Tf, Hkv, D)``."""
+    _, _, _, num_kv_heads, head_dim = kv_layer.shape
+    k = kv_layer[0].reshape(-1, num_kv_heads, head_dim).index_select(0, rows.flash_slots)
+    v = kv_layer[1].reshape(-1, num_kv_heads, head_dim).index_select(0, rows.flash_slots)
+    cu = rows.flash_cu_seqlens
+    o = varlen_attn(
+        query.index_select(0, rows.flash_tokens), k, v, cu, cu, max_len, max_len,
+        scale=scale, window_size=(-1, 0), enable_gqa=True,
+    )  # fmt: skip
+    out.index_copy_(0, rows.flash_tokens, o)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -10,15 +10,22 @@ sequence s:  cached context (seq_len - query_len)    new queries (query_len)
 query i sits at position c + i and sees keys [0, c + i]
 ```
 
-One program owns BLOCK_M queries of one head of one sequence and runs a flash-attention online
-softmax over BLOCK_N-key tiles, looking every key up through the block table. Key tiles past the
-program's last query position are never visited (causality), nor are query tiles past a
-sequence's query_len.
+One program owns a q tile of one sequence and one kv head: ``BLOCK_M`` rows, each a (query, head)
+pair of ``BLOCK_Q`` consecutive queries times the kv head's ``H // Hkv`` query heads (GQA packing,
+as vLLM's unified Triton attention: each K/V tile is read once per group, not once per head).
+It runs a flash-attention online softmax over BLOCK_N-key tiles, looking every key up through the
+block table. Key tiles past the program's last query position are never visited (causality).
+The grid is the flat list of the step's q tiles (:func:`prefill_tiles`, built on the host), so
+no program is launched for a sequence's missing tiles, nor for sequences another kernel serves
+(the attention backend sends decode rows to ``paged_decode_attention`` and, on CUDA, prompts with
+no cached context to FlashAttention).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,16 +48,50 @@ from kernels._common import (
 )
 
 _MIN_BLOCK_M = 16  # tl.dot needs >= 16 rows
-_MAX_BLOCK_M = 64
+_MAX_BLOCK_M = 128  # one q tile of 128 rows: 8 warps, two warpgroups on sm_90
 _BLOCK_N = 64
-_MAX_GRID_Y = 65535
+
+
+class PrefillPlan(NamedTuple):
+    """The tiling of a launch: ``block_m`` rows per program, each row one (query, head) pair of
+    ``block_q`` queries times ``group_rows`` heads of one kv head (GQA packing)."""
+
+    block_m: int
+    block_q: int  # queries per tile
+    group_rows: int  # query heads per kv head, padded to a power of two
+    num_warps: int
+
+
+def prefill_plan(max_query_len: int, queries_per_kv: int) -> PrefillPlan:
+    """Rows per program: the longest query times the padded GQA group, rounded up to a power of
+    two in [16, 128], so a step runs one of four variants."""
+    group_rows = next_power_of_two(queries_per_kv)
+    check(group_rows <= _MAX_BLOCK_M, f"at most {_MAX_BLOCK_M} q heads per kv head")
+    wanted = next_power_of_two(max_query_len) * group_rows
+    block_m = min(max(wanted, _MIN_BLOCK_M, group_rows), _MAX_BLOCK_M)
+    return PrefillPlan(block_m, block_m // group_rows, group_rows, 8 if block_m == 128 else 4)
+
+
+def prefill_tiles(query_lens: Sequence[int], seqs: Iterable[int], block_q: int) -> list[int]:
+    """The q tiles of ``seqs`` (indices into ``query_lens``), flat ``[seq, q_block, ...]``: one
+    program per tile and kv head, every one with queries (the grid is ``(len // 2, Hkv)``)."""
+    flat: list[int] = []
+    for s in seqs:
+        for q_block in range(triton.cdiv(query_lens[s], block_q)):
+            flat += (s, q_block)
+    return flat
 
 
 # The block-table row stride is the step's widest table: not specialised (a new variant per
 # width class mid-serving, for no gain), nor is the alignment of the int32 metadata.
 @triton.jit(
     do_not_specialize=["stride_bt_s"],
-    do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"],
+    do_not_specialize_on_alignment=[
+        "block_tables_ptr",
+        "query_start_loc_ptr",
+        "seq_lens_ptr",
+        "tiles_ptr",
+    ],
 )
 def _paged_prefill_attention_kernel(
     q_ptr,
@@ -58,6 +99,7 @@ def _paged_prefill_attention_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    tiles_ptr,
     out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_q_t,
@@ -69,34 +111,39 @@ def _paged_prefill_attention_kernel(
     stride_bt_s,
     NUM_KV_HEADS: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,  # QUERIES_PER_KV padded to a power of two
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # BLOCK_M // GROUP_ROWS
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only, see tile_dot
 ):
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2)
-    kv_head = head // QUERIES_PER_KV
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tiles_ptr + 2 * tile).to(tl.int64)
+    q_block = tl.load(tiles_ptr + 2 * tile + 1)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
-    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < query_len
-    q_pos = context_len + rows
-    tokens = (q_start + rows).to(tl.int64)
+    # Row r is query q_block * BLOCK_Q + r // GROUP_ROWS of head r % GROUP_ROWS of the group:
+    # the group's heads share every K/V tile.
+    r = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + r // GROUP_ROWS
+    in_group = r % GROUP_ROWS
+    row_mask = (q_idx < query_len) & (in_group < QUERIES_PER_KV)
+    heads = kv_head * QUERIES_PER_KV + in_group
+    q_pos = context_len + q_idx
+    tokens = (q_start + q_idx).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :]
+    q_ptrs = q_ptr + tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)  # (BLOCK_M, D)
 
-    # Keys past the tile's last query are invisible to all its rows; a tile with no query of
-    # this sequence visits no key at all.
-    kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_M)
-    kv_end = tl.where(q_tile * BLOCK_M < query_len, kv_end, 0)
+    # Keys past the tile's last query are invisible to all its rows.
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -123,7 +170,9 @@ def _paged_prefill_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + tokens[:, None] * stride_out_t + head * stride_out_h + dims[None, :]
+    out_ptrs = (
+        out_ptr + tokens[:, None] * stride_out_t + heads[:, None] * stride_out_h + dims[None, :]
+    )
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -134,6 +183,7 @@ def _check_args(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     max_query_len: int,
+    tiles: torch.Tensor | None,
     out: torch.Tensor | None,
 ) -> None:
     check_paged_attention_args(q, kv_cache_layer, block_tables, seq_lens, out)
@@ -143,8 +193,11 @@ def _check_args(
     check(query_start_loc.is_contiguous(), "query_start_loc must be contiguous")
     check_same_device(q=q, query_start_loc=query_start_loc)
     check(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
-    # Sequences are grid axis 1, which CUDA caps at 65535 programs.
-    check(num_seqs <= _MAX_GRID_Y, f"at most {_MAX_GRID_Y} sequences per call, got {num_seqs}")
+    if tiles is not None:
+        check_shape("tiles", tiles, (None, 2))
+        check_dtype("tiles", tiles, (torch.int32,))
+        check(tiles.is_contiguous(), "tiles must be contiguous")
+        check_same_device(q=q, tiles=tiles)
 
 
 def paged_prefill_attention(
@@ -156,6 +209,7 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     *,
+    tiles: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its cached context.
@@ -170,31 +224,40 @@ def paged_prefill_attention(
         query_start_loc: ``(S+1,)`` int32, non-decreasing; sequence ``s`` owns query tokens
             ``[qsl[s], qsl[s+1])`` (an empty range is allowed).
         seq_lens: ``(S,)`` int32, context length after this step, ``>= query_len``.
-        max_query_len: host-side ``max(query_len)``; longer queries would be cut short.
+        max_query_len: host-side ``max(query_len)`` of the tiled sequences: it picks
+            :func:`prefill_plan`; a longer query would be cut short.
         scale: softmax scale, usually ``D ** -0.5``.
+        tiles: ``(n, 2)`` int32, :func:`prefill_tiles` of the sequences to attend with the
+            block_q of ``prefill_plan(max_query_len, H // Hkv)``; default every sequence, built
+            from ``query_start_loc`` on the host (a device sync: the engine passes its own).
         out: optional ``(T, H, D)`` destination, q's dtype, last dim dense.
 
     Returns:
         ``(T, H, D)`` in q's dtype (``out`` when given); fp32 softmax and accumulation. Query
         token ``i`` of ``s`` sits at position ``seq_lens[s] - query_len + i`` and attends to
-        positions ``[0, position]``. Rows of no sequence (``t >= qsl[S]``) are not written:
-        zeros when the launcher allocates ``out``.
+        positions ``[0, position]``. Rows of no tiled sequence are not written: zeros when the
+        launcher allocates ``out``.
     """
-    _check_args(q, kv_cache_layer, block_tables, query_start_loc, seq_lens, max_query_len, out)
+    args = (q, kv_cache_layer, block_tables, query_start_loc, seq_lens, max_query_len)
+    _check_args(*args, tiles, out)
     check_runnable(_paged_prefill_attention_kernel, q.device)
     out = torch.zeros_like(q, memory_format=torch.contiguous_format) if out is None else out
-    num_seqs, num_heads = block_tables.shape[0], q.shape[1]
-    if num_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
-        return out
+    num_heads = q.shape[1]
     _, _, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
-    block_m = block_m_for(max_query_len)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
-    _paged_prefill_attention_kernel[grid](
+    plan = prefill_plan(max_query_len, num_heads // num_kv_heads)
+    if tiles is None:
+        query_lens = torch.diff(query_start_loc).tolist()
+        flat = prefill_tiles(query_lens, range(len(query_lens)), plan.block_q)
+        tiles = torch.tensor(flat, dtype=torch.int32, device=q.device).view(-1, 2)
+    if tiles.shape[0] == 0 or max_query_len == 0 or num_heads == 0:
+        return out
+    _paged_prefill_attention_kernel[(tiles.shape[0], num_kv_heads)](
         q,
         kv_cache_layer,
         block_tables,
         query_start_loc,
         seq_lens,
+        tiles,
         out,
         scale * math.log2(math.e),
         q.stride(0),
@@ -206,21 +269,43 @@ def paged_prefill_attention(
         block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads,
         QUERIES_PER_KV=num_heads // num_kv_heads,
+        GROUP_ROWS=plan.group_rows,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
+        BLOCK_M=plan.block_m,
+        BLOCK_Q=plan.block_q,
         BLOCK_N=_BLOCK_N,
         # fp32 caches get true fp32 products (tests hold them to 1e-4); tf32 would not.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreted(_paged_prefill_attention_kernel),
+        num_warps=plan.num_warps,
     )
     return out
 
 
-def block_m_for(max_query_len: int) -> int:
-    """Queries per program: the step's longest query rounded up to a power of two in [16, 64],
-    so every step runs one of three variants."""
-    return min(max(next_power_of_two(max_query_len), _MIN_BLOCK_M), _MAX_BLOCK_M)
+class PrefillLaunchStats(NamedTuple):
+    """What a launch does, from its tiles and the rows' lengths (no kernel runs)."""
+
+    programs: int  # all of them have queries
+    kv_bytes: int  # K and V read: each tile's visible keys, once per kv head
+
+
+def prefill_launch_stats(
+    tiles: Sequence[int],
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    plan: PrefillPlan,
+) -> PrefillLaunchStats:
+    """:class:`PrefillLaunchStats` of a launch over ``tiles`` (:func:`prefill_tiles`)."""
+    keys = 0
+    for seq, q_block in zip(tiles[::2], tiles[1::2], strict=True):
+        context_len = seq_lens[seq] - query_lens[seq]
+        keys += min(seq_lens[seq], context_len + (q_block + 1) * plan.block_q)
+    programs = len(tiles) // 2 * num_kv_heads
+    return PrefillLaunchStats(programs, 2 * keys * num_kv_heads * head_dim * dtype_bytes)
 
 
 def ref_paged_prefill_attention(

@@ -7,7 +7,8 @@ the engine loop compiles there, for a second or more, while every request in fli
 the launchers keep the set finite and known from the model's shape and the batch limits alone:
 
 - constexprs are the model's shape (heads, head_dim, hidden, intermediate, block size, dtype) or
-  buckets of the step's shape: prefill ``BLOCK_M`` in {16, 32, 64} by the longest query; decode
+  buckets of the step's shape: prefill ``BLOCK_M`` in {16, 32, 64, 128} by the longest query
+  times the GQA group; decode
   tiles of 16 keys (a batch too small to fill the GPU with 64-key partitions) or 64;
 - ints that change from step to step (the block tables' row stride, the decode plan's split
   count and shortest partition) are ``do_not_specialize``, and the metadata pointers (views into the step's input buffers, at
@@ -21,13 +22,13 @@ kernel                          variants of one engine (shape and dtype fixed)
 rms_norm                        hidden, without and with the residual; head_dim (q/k norm)
 rotary_embedding_and_cache      1
 silu_and_mul                    1
-paged_prefill_attention         BLOCK_M 16, 32, 64 (those max_num_batched_tokens reaches)
+paged_prefill_attention         BLOCK_M 16, 32, 64, 128 (those max_num_batched_tokens reaches)
 paged_decode_attention          BLOCK_N 16, 64
 paged_decode_reduce             BLOCK_N 16, 64
 gather_blocks, scatter_blocks   1 each (the KV connector's save and load)
 ```
 
-Llama-3-8B: 13 variants, about 1 s each to compile cold on one core; Triton's
+Llama-3-8B: 14 variants, about 1 s each to compile cold on one core; Triton's
 cache directory (``common/cache_dir.py``) keeps them for the next start.
 """
 
@@ -44,7 +45,7 @@ from kernels._common import check
 from kernels.activation import silu_and_mul
 from kernels.block_copy import gather_blocks, scatter_blocks
 from kernels.paged_decode_attention import paged_decode_attention, warmup_plans
-from kernels.paged_prefill_attention import block_m_for, paged_prefill_attention
+from kernels.paged_prefill_attention import paged_prefill_attention, prefill_plan
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding_and_cache
 
@@ -109,12 +110,12 @@ def warm_up(shape: ModelShape, limits: LaunchLimits, kv_cache: torch.Tensor) -> 
     return report
 
 
-def prefill_query_lens(max_tokens: int) -> list[int]:
+def prefill_query_lens(max_tokens: int, queries_per_kv: int) -> list[int]:
     """One longest-query length per prefill ``BLOCK_M`` a step of ``max_tokens`` can reach (the
-    decode kernel serves steps whose every query is one token)."""
+    decode kernel serves every one-token query)."""
     first: dict[int, int] = {}
     for n in range(2, max_tokens + 1):
-        first.setdefault(block_m_for(n), n)
+        first.setdefault(prefill_plan(n, queries_per_kv).block_m, n)
     return list(first.values())
 
 
@@ -152,12 +153,15 @@ def _metadata(num_seqs: int, width: int, device: torch.device) -> tuple[torch.Te
 
 
 def _prefill(shape: ModelShape, layer: torch.Tensor, max_tokens: int) -> int:
-    lens = prefill_query_lens(max_tokens)
+    lens = prefill_query_lens(max_tokens, shape.num_heads // shape.num_kv_heads)
+    # One tile of an empty sequence: the kernel runs and reads and writes nothing.
+    tiles = torch.zeros(1, 2, dtype=torch.int32, device=layer.device)
     for max_query_len in lens:
         q = layer.new_zeros(max_query_len, shape.num_heads, shape.head_dim)
         tables, query_start_loc, seq_lens = _metadata(1, 1, layer.device)
         scale = shape.head_dim**-0.5
-        paged_prefill_attention(q, layer, tables, query_start_loc, seq_lens, max_query_len, scale)
+        args = (q, layer, tables, query_start_loc, seq_lens, max_query_len, scale)
+        paged_prefill_attention(*args, tiles=tiles)
     return len(lens)
 
 

@@ -59,7 +59,7 @@ def expected_variants(model: str, max_model_len: int) -> Counter[tuple[Any, ...]
     rms += [(shape.head_dim, False)] if shape.qk_norm else []
     variants = [("_rms_norm_kernel", *key) for key in rms]
     variants += [(name,) for name in ("_rotary_embedding_and_cache_kernel", "_silu_and_mul_kernel")]
-    variants += [("_paged_prefill_attention_kernel", m) for m in (16, 32, 64)]
+    variants += [("_paged_prefill_attention_kernel", m) for m in (16, 32, 64, 128)]
     for kernel in ("_paged_decode_attention_kernel", "_paged_decode_reduce_kernel"):
         variants += [(kernel, block_n) for block_n in (16, 64)]
     variants += [("_block_copy_kernel", to_cache) for to_cache in (False, True)]

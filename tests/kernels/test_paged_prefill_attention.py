@@ -13,13 +13,19 @@ import pytest
 import torch
 
 from kernels.paged_decode_attention import DecodePlan, paged_decode_attention
-from kernels.paged_prefill_attention import paged_prefill_attention, ref_paged_prefill_attention
+from kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    prefill_plan,
+    prefill_tiles,
+    ref_paged_prefill_attention,
+)
 
 CASES = [  # (dtype, block_size, head_dim, num_heads, num_kv_heads)
     pytest.param(torch.float32, 16, 64, 2, 2, id="fp32-bs16-d64-gqa1"),
     pytest.param(torch.float32, 32, 128, 4, 1, id="fp32-bs32-d128-gqa4"),
     pytest.param(torch.bfloat16, 16, 128, 8, 1, id="bf16-bs16-d128-gqa8"),
     pytest.param(torch.float16, 32, 64, 4, 1, id="fp16-bs32-d64-gqa4"),
+    pytest.param(torch.float32, 16, 64, 6, 2, id="fp32-bs16-d64-gqa3"),  # group padded to 4
 ]
 
 
@@ -31,7 +37,7 @@ def _batch(block_size: int) -> tuple[list[int], list[int]]:
         (45, 20),  # chunk after a prefix-cache hit, crossing blocks
         (0, 1),  # a one-token prompt: seq_len 1
         (70, 0),  # a sequence with no query this step
-        (block_size - 3, 70),  # longer than one query tile (BLOCK_M 64)
+        (block_size - 3, 70),  # several q tiles (BLOCK_M 128)
     ]
     return [c + q for c, q in shapes], [q for _, q in shapes]
 
@@ -59,6 +65,27 @@ def test_matches_ref(
     out = paged_prefill_attention(*args, head_dim**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out, ref_paged_prefill_attention(*args, head_dim**-0.5))
+
+
+def test_explicit_tiles_attend_only_their_sequences(
+    paged_context: Callable, device: torch.device
+) -> None:
+    seq_lens, query_lens = _batch(16)
+    ctx = paged_context(seq_lens, 16, 2, 64, torch.float32)
+    q = torch.randn(sum(query_lens), 8, 64, device=device)
+    qsl = _query_start_loc(query_lens, device)
+    chosen = [0, 2]  # the fresh prompt and the chunk after a prefix
+    longest = max(query_lens[s] for s in chosen)
+    flat = prefill_tiles(query_lens, chosen, prefill_plan(longest, 4).block_q)
+    tiles = torch.tensor(flat, dtype=torch.int32, device=device).view(-1, 2)
+    args = (q, ctx.kv_cache_layer, ctx.block_tables, qsl, ctx.seq_lens)
+    out = paged_prefill_attention(*args, longest, 0.125, tiles=tiles)
+    expected = ref_paged_prefill_attention(*args, longest, 0.125)
+    starts = qsl.tolist()
+    for s in range(len(seq_lens)):
+        rows = slice(starts[s], starts[s + 1])
+        want = expected[rows] if s in chosen else torch.zeros_like(out[rows])
+        torch.testing.assert_close(out[rows], want, atol=1e-4, rtol=1e-4)
 
 
 def test_decode_only_batch_matches_decode_kernel(

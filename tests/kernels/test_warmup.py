@@ -14,9 +14,12 @@ from tests.kernels.cross_compile_child import run_child
 
 
 def test_prefill_query_lens_one_per_block_m() -> None:
-    assert prefill_query_lens(8192) == [2, 17, 33]  # BLOCK_M 16, 32, 64
-    assert prefill_query_lens(20) == [2, 17]
-    assert prefill_query_lens(1) == []  # a one-token step is a decode
+    # rows = next_pow2(longest query) x the GQA group, in [16, 128]
+    assert prefill_query_lens(8192, 1) == [2, 17, 33, 65]  # BLOCK_M 16, 32, 64, 128
+    assert prefill_query_lens(8192, 4) == [2, 5, 9, 17]
+    assert prefill_query_lens(20, 8) == [2, 3, 5, 9]
+    assert prefill_query_lens(4, 1) == [2]
+    assert prefill_query_lens(1, 4) == []  # a one-token query is a decode
 
 
 def test_warm_up_leaves_the_cache_as_it_was(device: torch.device) -> None:
@@ -26,8 +29,8 @@ def test_warm_up_leaves_the_cache_as_it_was(device: torch.device) -> None:
     limits = SimpleNamespace(max_tokens=40, max_blocks_per_seq=40)
     report = warm_up(shape, limits, kv_cache)
     torch.testing.assert_close(kv_cache, before, atol=0, rtol=0)
-    # 3 norms + rotary + silu, prefill BLOCK_M 16/32/64, decode BLOCK_N 16 and 64, 2 copies
-    assert report.launcher_calls == 5 + 3 + 2 + 2
+    # 3 norms + rotary + silu, prefill BLOCK_M 16/32/64/128, decode BLOCK_N 16 and 64, 2 copies
+    assert report.launcher_calls == 5 + 4 + 2 + 2
 
 
 def test_warm_up_refuses_a_cache_of_another_shape(device: torch.device) -> None:
