@@ -27,12 +27,17 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 import kernels._common
-from kernels.cross_compile import REFERENCE_SHAPES, CompileLog, compile_only
+from kernels.cross_compile import REFERENCE_SHAPES, CompileLog, Variant, compile_only, resources
 from kernels.reshape_and_cache import reshape_and_cache
 from kernels.warmup import ModelShape, warm_up
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 8192  # max_num_batched_tokens: every prefill BLOCK_M is reachable
+
+
+# Kernels whose register spills (ptxas -v, bytes stored per thread) the compile answer carries
+# on sm_90: the attention tiles sized for it.
+SPILL_CHECKED = ("_paged_prefill_attention_kernel", "_paged_decode_attention_kernel")
 
 
 def _variants(log: CompileLog) -> list[dict[str, Any]]:
@@ -44,9 +49,16 @@ def _variants(log: CompileLog) -> list[dict[str, Any]]:
             },
             "arch": v.compiled.metadata.target.arch,
             "cubin_bytes": len(v.compiled.asm["cubin"]),
+            "warps": v.compiled.metadata.num_warps,
+            "spill_stores": _spill_stores(v),
         }
         for v in log.launched.values()
     ]
+
+
+def _spill_stores(variant: Variant) -> int | None:
+    checked = variant.kernel in SPILL_CHECKED and variant.compiled.metadata.target.arch >= 90
+    return resources(variant).spill_stores if checked else None
 
 
 def _limits(max_model_len: int) -> Any:

@@ -105,6 +105,17 @@ def test_compiles_for_target(case: tuple[Any, ...], fast_results: dict[tuple, di
     assert compiled_variants(fast_results[case]) == expected_variants(case[0], case[3])
 
 
+@pytest.mark.parametrize("case", [c for c in FAST if c[2] == 90], ids=lambda c: c[0])
+def test_attention_tiles_do_not_spill_on_sm90(
+    case: tuple[Any, ...], fast_results: dict[tuple, dict]
+) -> None:
+    """The prefill kernel's 128-row tile runs 8 warps so that its fp32 accumulator fits."""
+    checked = [v for v in fast_results[case]["variants"] if v["spill_stores"] is not None]
+    assert {v["constants"].get("BLOCK_M") for v in checked} >= {16, 32, 64, 128}
+    assert [v for v in checked if v["spill_stores"]] == []
+    assert all(v["warps"] == 8 for v in checked if v["constants"].get("BLOCK_M") == 128)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW, ids=lambda c: f"{c[0]}-{c[1]}-sm{c[2]}")
 def test_compiles_for_target_matrix(case: tuple[Any, ...], slow_results: dict[tuple, dict]) -> None:
