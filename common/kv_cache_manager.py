@@ -3,10 +3,16 @@
 It turns "request R needs N more token slots" into physical block ids and finds prefix-cache
 hits by chained block hashes; a hit shares full blocks (ref counts), which are never written
 again, so no block is ever copied. Plain ints, no tensors.
+
+A request's block ids only grow at their end, except when the table is made (first allocation,
+again after a free) or trimmed: each of those gives it a new *version*, a number this manager
+never hands out twice. Whoever mirrors a table (the runner's block-table rows,
+``common/block_table.py``) copies only the ids past what it holds while the version stays.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 from common.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
@@ -35,6 +41,8 @@ class KVCacheManager:
         # The same tables as plain ids, kept in step so a step never rebuilds them per block.
         self.req_to_ids: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}  # request id → leading blocks registered in cache
+        self.req_to_version: dict[str, int] = {}  # request id → its table's version (above)
+        self._versions = itertools.count()
         self.stats = PrefixCacheStats()
 
     # -- queries (no side effects) ------------------------------------------------------------
@@ -48,6 +56,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (live: read it, do not keep it across allocations)."""
         return self.req_to_ids.get(request_id, [])
+
+    def table_version(self, request_id: str) -> int:
+        """The version of the request's block table: while it stays, the ids only grew at the
+        end (see the module docstring). The request must hold a table."""
+        return self.req_to_version[request_id]
 
     def find_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest cached prefix of ``request`` in full blocks. Does not modify the cache.
@@ -94,7 +107,10 @@ class KVCacheManager:
             if not held:
                 del self.req_to_blocks[request.request_id]
             return None
-        ids = self.req_to_ids.setdefault(request.request_id, [])
+        ids = self.req_to_ids.get(request.request_id)
+        if ids is None:
+            ids = self.req_to_ids[request.request_id] = []
+            self.req_to_version[request.request_id] = next(self._versions)
         self.pool.touch(computed.blocks)
         held.extend(computed.blocks)
         ids.extend(b.block_id for b in computed.blocks)
@@ -127,12 +143,14 @@ class KVCacheManager:
         dropped = blocks[keep:]
         del blocks[keep:]
         del self.req_to_ids[request_id][keep:]
+        self.req_to_version[request_id] = next(self._versions)
         self.pool.free_blocks(reversed(dropped))
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first (so prefixes are evicted last)."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.req_to_ids.pop(request_id, None)
+        self.req_to_version.pop(request_id, None)
         self.num_cached.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
@@ -146,5 +164,5 @@ class KVCacheManager:
             assert self.req_to_ids[request_id] == [b.block_id for b in blocks], request_id
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
-        assert set(self.req_to_ids) == set(self.req_to_blocks)
+        assert set(self.req_to_ids) == set(self.req_to_blocks) == set(self.req_to_version)
         self.pool.check_integrity(refs)

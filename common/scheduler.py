@@ -367,7 +367,8 @@ class Scheduler:
         if samples:
             request.num_output_placeholders += 1
         block_ids = self.kv.get_block_ids(request.request_id)
-        item = ScheduledRequest(request, num_new, samples, block_ids, start, drafts or [])
+        version = self.kv.table_version(request.request_id)
+        item = ScheduledRequest(request, num_new, samples, block_ids, start, drafts or [], version)
         out.scheduled.append(item)
         # Blocks become shareable as soon as their tokens are scheduled: KV is written before
         # attention reads it in every layer, so a same-step hit reads valid data.

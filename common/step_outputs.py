@@ -28,6 +28,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table after this step's allocation
     num_computed_tokens: int  # tokens in the cache before this step: where its tokens start
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step
+    # the KV cache manager's version of ``block_ids`` (``common/kv_cache_manager.py``): the
+    # runner copies only the ids past the ones it holds while it stays; None: copy them all
+    block_table_version: int | None = None
 
 
 @dataclass

@@ -2,8 +2,12 @@
 inputs and samples), ranks 1…N-1 are worker processes that only run the forward pass.
 
 NOTE: the per-step protocol. Rank 0 prepares the step's flat host buffers as on one device
-(``common/step_inputs.py``) and broadcasts them on the gloo control group: a header of nine
-int64s, then the used prefixes of the int64 and int32 buffers. Every rank then runs the same
+(``common/step_inputs.py``) and broadcasts them on the gloo control group: a header
+(``_Header``: the step's ``StepShape`` and what else follows), then the used prefixes of the
+int64 and int32 buffers. The int32 prefix holds the block-table *changes* of the step, never
+the tables: every rank keeps its own device rows and applies them (``InputBuffers.adopt``); a
+worker receives into two host sets in turn, so its copies to the device never block (as rank
+0's). Every rank then runs the same
 forward over its heads (two all-reduces a layer, one for the embedding) and the LM head on the
 rows to sample; rank 0 receives the gathered logits and samples, the others drop theirs. Only
 tensors cross between processes (no pickle on any socket); the workers' start-up arguments are
@@ -47,7 +51,7 @@ import multiprocessing as mp
 import os
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -66,18 +70,41 @@ from common.parallel.monitor import RankMonitor
 from common.parent_death import die_with
 from common.prompt_logprobs import prompt_rows
 from common.step_faults import EngineFailure
-from common.step_inputs import StepInputs
+from common.step_inputs import StepInputs, StepShape
 from common.step_outputs import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _STEP, _STOP, _LAND, _COLLECT = 0, 1, 2, 3
-# op, tokens (KV ops: blocks), seqs, row stride, logits rows, max query len, max seq len, the
-# rows scored for prompt logprobs (their ids follow the inputs; their LM head comes before the
-# sampled rows', as on rank 0), and whether input ids were filled on the device from the last
-# step's samples (overlapped scheduling: rank 0 then broadcasts its input ids on the device
-# group, no host sync)
-_HEADER = 9
+
+
+class _Header(NamedTuple):
+    """What rank 0 announces before each operation, as int64s on the control group."""
+
+    op: int  # _STEP, _STOP, _LAND or _COLLECT
+    step: StepShape  # a step's sizes (a KV op: its block count in ``num_tokens``)
+    # rows scored for prompt logprobs: their ids follow the inputs; their LM head comes before
+    # the sampled rows', as on rank 0
+    num_scored: int = 0
+    # input ids were filled on the device from the last step's samples (overlapped scheduling:
+    # rank 0 then broadcasts its input ids on the device group, no host sync)
+    filled: bool = False
+
+    SIZE = 3 + len(StepShape._fields)
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([self.op, *self.step, self.num_scored, self.filled], dtype=torch.int64)
+
+    @staticmethod
+    def read(t: torch.Tensor) -> _Header:
+        op, *step, scored, filled = t.tolist()
+        return _Header(op, StepShape(*step), scored, bool(filled))
+
+    @staticmethod
+    def kv_op(op: int, num_blocks: int = 0) -> _Header:
+        return _Header(op, StepShape(num_blocks, 0, 0, 0, 0, 0, 0))
+
+
 TIMEOUT_S = 120.0  # start-up rendezvous and the longest a collective may wait
 STEP_TIMEOUT_S = TIMEOUT_S  # the longest a step (or a KV exchange) may wait on the group
 
@@ -165,10 +192,10 @@ class ParallelModelRunner(ModelRunner):
     def _announce(self, op: int, block_ids: list[int]) -> torch.Tensor:
         """Tell the workers which KV operation over which blocks comes next."""
         self._check_workers()
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = op, len(block_ids)
         ids = torch.tensor(block_ids, dtype=torch.int64)
-        dist.broadcast(header, 0, group=self._group.control_group)
+        dist.broadcast(
+            _Header.kv_op(op, len(block_ids)).tensor(), 0, group=self._group.control_group
+        )
         dist.broadcast(ids, 0, group=self._group.control_group)
         return ids.to(self.device)
 
@@ -184,28 +211,14 @@ class ParallelModelRunner(ModelRunner):
 
     def _broadcast(self, inputs: StepInputs, prompt: list[int]) -> None:
         assert self.tp is not None
-        meta = inputs.meta
-        num_seqs, stride = meta.block_tables.shape
-        header = torch.tensor(
-            [
-                _STEP,
-                inputs.input_ids.shape[0],
-                num_seqs,
-                stride,
-                inputs.num_logits_rows,
-                meta.max_query_len,
-                meta.max_seq_len,
-                len(prompt),
-                int(inputs.num_fill > 0),
-            ],
-            dtype=torch.int64,
-        )
+        shape = inputs.shape
+        header = _Header(_STEP, shape, len(prompt), inputs.num_fill > 0)
         host64, host32 = self.inputs.last_host
-        o = self.inputs.off
+        used64, used32 = self.inputs.used_prefixes(shape)
         group = self.tp.control_group
-        dist.broadcast(header, 0, group=group)
-        dist.broadcast(host64[: o.logits_rows + inputs.num_logits_rows], 0, group=group)
-        dist.broadcast(host32[: o.block_tables + num_seqs * stride], 0, group=group)
+        dist.broadcast(header.tensor(), 0, group=group)
+        dist.broadcast(host64[:used64], 0, group=group)
+        dist.broadcast(host32[:used32], 0, group=group)
         if prompt:
             dist.broadcast(torch.tensor(prompt, dtype=torch.int64), 0, group=group)
         if inputs.num_fill:  # on the device group: queued behind the step, not waited for
@@ -235,9 +248,7 @@ class ParallelModelRunner(ModelRunner):
         alive = self.monitor.failure is None and all(p.exitcode is None for p in self.workers)
         if alive:
             try:
-                stop = torch.zeros(_HEADER, dtype=torch.int64)
-                stop[0] = _STOP
-                dist.broadcast(stop, 0, group=self.tp.control_group)
+                dist.broadcast(_Header.kv_op(_STOP).tensor(), 0, group=self.tp.control_group)
             except RuntimeError:
                 alive = False
         for proc in self.workers:
@@ -398,29 +409,30 @@ def _worker_main(rank: int, plain: dict[str, Any]) -> None:
 
 @torch.inference_mode()
 def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    buffers, o = runner.inputs, runner.inputs.off
-    host64, host32 = buffers.last_host
+    received = torch.zeros(_Header.SIZE, dtype=torch.int64)
+    buffers = runner.inputs
     while True:
-        dist.broadcast(header, 0, group=tp.control_group)
-        op, tokens, seqs, stride, rows, max_query_len, max_seq_len, scored, filled = header.tolist()
-        if op == _STOP:
+        dist.broadcast(received, 0, group=tp.control_group)
+        header = _Header.read(received)
+        if header.op == _STOP:
             return
-        if op != _STEP:
-            _kv_op(runner, tp, op, tokens)
+        if header.op != _STEP:
+            _kv_op(runner, tp, header.op, header.step.num_tokens)
             continue
-        dist.broadcast(host64[: o.logits_rows + rows], 0, group=tp.control_group)
-        dist.broadcast(host32[: o.block_tables + seqs * stride], 0, group=tp.control_group)
-        prompt = torch.empty(scored, dtype=torch.int64)
-        if scored:
+        host64, host32 = buffers.next_host()  # the other set's copy may still be running
+        used64, used32 = buffers.used_prefixes(header.step)
+        dist.broadcast(host64[:used64], 0, group=tp.control_group)
+        dist.broadcast(host32[:used32], 0, group=tp.control_group)
+        prompt = torch.empty(header.num_scored, dtype=torch.int64)
+        if header.num_scored:
             dist.broadcast(prompt, 0, group=tp.control_group)
-        inputs = buffers.adopt(tokens, seqs, stride, rows, max_query_len, max_seq_len)
-        if filled:
+        inputs = buffers.adopt(header.step)
+        if header.filled:
             dist.broadcast(inputs.input_ids, 0, group=tp.device_group)
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
-        if scored:  # prompt logprobs first, as rank 0 computes them
+        if header.num_scored:  # prompt logprobs first, as rank 0 computes them
             runner.model.lm_head(hidden.index_select(0, prompt.to(runner.device)))
-        if rows:
+        if inputs.num_logits_rows:
             runner.model.lm_head(hidden.index_select(0, inputs.logits_rows))
 
 
