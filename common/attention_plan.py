@@ -54,8 +54,9 @@ def step_launch(
     q_lens, seq_lens = meta.query_lens, meta.seq_lens_cpu
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     chunks = [i for i, n in enumerate(q_lens) if n > 1]
-    fresh = [i for i in chunks if q_lens[i] == seq_lens[i]] if flash else []
-    cached = [i for i in chunks if i not in set(fresh)]
+    is_fresh = [flash and q_lens[i] == seq_lens[i] for i in chunks]
+    fresh = [i for i, f in zip(chunks, is_fresh, strict=True) if f]
+    cached = [i for i, f in zip(chunks, is_fresh, strict=True) if not f]
     d_plan = None
     if decode:
         d_max = max(seq_lens[i] for i in decode)
@@ -99,11 +100,8 @@ def launch_stats(
         p = prefill_launch_stats(
             launch.tiles, meta.query_lens, seq_lens, *shape, launch.prefill_plan
         )
-        programs, with_work, prefill_bytes = (
-            programs + p.programs,
-            with_work + p.programs,
-            p.kv_bytes,
-        )
+        programs, with_work = programs + p.programs, with_work + p.programs  # all have queries
+        prefill_bytes = p.kv_bytes
     return StepLaunchStats(programs, with_work, decode_bytes, prefill_bytes)
 
 
