@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, TopLogprobs
 from common.config import EngineConfig
 from common.engine import EngineCore
 from common.output_processor import CompletionOutput, RequestOutput, TextStream
@@ -127,6 +128,69 @@ class LLM:
                 self._raise_refused()
                 self._raise_failed()
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's ``beam_width`` best hypotheses, best first: HF's ``generate(num_beams=
+        beam_width, do_sample=False, length_penalty=…, num_return_sequences=beam_width)``.
+
+        Rounds of one-token requests, one per live beam of every prompt, that share their
+        prefix through the prefix cache (``common/beam_search.py``). ``max_tokens`` is cut to
+        the room ``max_model_len`` leaves, as in ``generate``."""
+        searches = [self._beam_search_of(prompt, params) for prompt in _as_prompt_list(prompts)]
+        rounds = max((s.max_tokens for s in searches), default=0)
+        with tqdm(total=rounds, desc="beam search", disable=not use_tqdm) as bar:
+            while live := [s for s in searches if not s.done]:
+                tops = self._score_beams([(b, s.num_logprobs) for s in live for b in s.beams()])
+                for search in live:
+                    n = len(search.running)
+                    search.advance(tops[:n])
+                    tops = tops[n:]
+                bar.update(1)
+        return [self._beam_output(s) for s in searches]
+
+    def _beam_search_of(self, prompt: PromptType, params: BeamSearchParams) -> BeamSearch:
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        room = self.engine.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room to generate: max_model_len"
+                f" is {self.engine.max_model_len}"
+            )
+        max_tokens = min(params.max_tokens, room)
+        return BeamSearch(token_ids, params, self.engine.eos_token_ids, max_tokens)
+
+    def _score_beams(self, beams: list[tuple[list[int], int]]) -> list[TopLogprobs]:
+        """The top-k next tokens of each (token ids, k): one engine request each, run
+        together to completion."""
+        engine = self.engine
+        request_ids = [f"beam-{next(self._ids)}" for _ in beams]
+        tops: dict[str, TopLogprobs] = {}
+        try:
+            for request_id, (token_ids, k) in zip(request_ids, beams):
+                params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
+                engine.add_request(request_id, token_ids, params)
+            while len(tops) < len(beams):
+                for out in engine.step():
+                    if out.new_logprobs:  # its one token: the request has ended
+                        lp = out.new_logprobs[0]
+                        tops[out.request_id] = TopLogprobs(lp.top_ids, lp.top_logprobs)
+                self._raise_refused()
+                self._raise_failed()
+        except Exception:  # all or nothing (the engine runs only this call's requests)
+            engine.abort(engine.request_ids())
+            raise
+        return [tops[request_id] for request_id in request_ids]
+
+    def _beam_output(self, search: BeamSearch) -> BeamSearchOutput:
+        sequences = search.sequences()
+        for seq in sequences:
+            seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return BeamSearchOutput(search.prompt, sequences)
+
     def _raise_refused(self) -> None:
         """A request the engine refused after accepting it (its grammar does not compile)
         fails the whole call, like a refusal at ``add_request``."""
@@ -224,7 +288,7 @@ def _as_params_list(
     return params
 
 
-__all__ = ["LLM", "RequestOutput", "RequestStatus"]
+__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "RequestStatus"]
 
 
 def _connector_factory(config: EngineConfig) -> ConnectorFactory | None:
