@@ -99,6 +99,15 @@ def _noise(row_key, ids):
     return -tl.log(uniform)
 
 
+@triton.jit
+def _gumbel_key(probs, row_key, ids, keep):
+    """``probs / E`` where ``keep``, else -1. Where ``E`` rounds to 0 (``u`` rounded to 1: one
+    entry in 2**24) it is -1 too: the former path ranked such a token below every other (its key
+    was -inf), or, for a token the filters had dropped, made its key NaN and drew it."""
+    noise = _noise(row_key, ids)
+    return tl.where(keep & (noise > 0.0), probs / noise, -1.0)
+
+
 # -- order-preserving keys ----------------------------------------------------------------------
 @triton.jit
 def _order_key(x):
@@ -179,7 +188,7 @@ def _sample_tiles_kernel(
     x = _scaled(logits_ptr + row * stride_logits, counts_ptr, row_params, cols, mask, V, True)
     x_max = tl.max(x, axis=0)
     e = tl.where(mask, tl.exp(x - x_max), 0.0)
-    gumbel = tl.where(mask, e / _noise(_row_key(row_params), cols), -1.0)
+    gumbel = _gumbel_key(e, _row_key(row_params), cols, mask)
     winner = tl.argmax(gumbel, axis=0)
     winner_x = tl.max(tl.where(cols == tile * TILE + winner, x, float("-inf")), axis=0)
     packed = tl.where(mask, _pack(x, cols, V), -(2**63))
@@ -246,13 +255,13 @@ def _sample_pick_kernel(
     keep = keep & (probs >= min_p * tl.max(tl.where(keep, probs, 0.0), axis=0))
     num_kept = tl.sum(keep.to(tl.int32), axis=0)
     settled = (k <= num_valid) | ((k == V) & (num_kept < num_valid)) | (num_valid >= V)
-    gumbel = tl.where(keep, probs / _noise(row_key, ids), -1.0)
+    gumbel = _gumbel_key(probs, row_key, ids, keep)
     token = tl.sum(tl.where(n == tl.argmax(gumbel, axis=0), ids, 0), axis=0)
     no_filter = (k == V) & (top_p >= 1.0) & (min_p <= 0.0)
     if no_filter & ~settled:  # the best of the tile winners
         winners = tl.load(tile_winner_ptr + row * NUM_TILES + t, mask=t_mask, other=0)
         winner_x = tl.load(stats + 3, mask=t_mask, other=float("-inf"))
-        winner_key = tl.where(t_mask, tl.exp(winner_x - m) / s / _noise(row_key, winners), -1.0)
+        winner_key = _gumbel_key(tl.exp(winner_x - m) / s, row_key, winners, t_mask)
         token = tl.sum(tl.where(t == tl.argmax(winner_key, axis=0), winners, 0), axis=0)
     if (temperature > 0.0) & ~settled & ~no_filter:  # the kept prefix runs past the candidates
         row_logits = logits_ptr + row * stride_logits
@@ -318,7 +327,7 @@ def _sample_by_thresholds(
         x = _scaled(row_logits, counts_ptr, row_params, cols, mask, V, False)
         probs = tl.exp(x - m) / s_kept
         keep = mask & (_order_key(x).to(tl.int64) >= cut) & (probs >= p_floor)
-        gumbel = tl.where(keep, probs / _noise(row_key, cols), -1.0)
+        gumbel = _gumbel_key(probs, row_key, cols, keep)
         chunk_best = tl.max(gumbel, axis=0)
         better = chunk_best > best_key
         best_id = tl.where(better, start + tl.argmax(gumbel, axis=0).to(tl.int32), best_id)
@@ -430,7 +439,7 @@ def sample_tokens(
     _sample_pick_kernel[(rows,)](
         logits, params, counts, stats, winners, candidates, tokens, logits.stride(0), vocab,
         NUM_TILES=num_tiles, TILES_POW2=triton.next_power_of_2(num_tiles), TILE=tile,
-        CAND=cand, num_warps=8, enable_fp_fusion=False,
+        CAND=cand, num_warps=16, enable_fp_fusion=False,
     )  # fmt: skip
     return tokens
 
@@ -453,6 +462,17 @@ def sample_tokens_cpu(
     if failed:
         raise MemoryError("native sample_tokens could not allocate its scratch rows")
     return tokens
+
+
+def warm_up_sampler(vocab: int, device: torch.device) -> int:
+    """Launch (so compile) both kernels over ``vocab``, as the engine launches them: their one
+    variant per vocabulary. Rows: greedy, and temperature with top-p and penalties (slot 0).
+    Returns the number of launcher calls (1)."""
+    rows = [RowParams(0.0, -1, 1.0, 0.0, 0, 0), RowParams(1.0, -1, 0.9, 0.0, 0, 0, 0, 1.1)]
+    params = torch.tensor(pack_params(rows), dtype=torch.int32, device=device).view(2, -1)
+    counts = torch.zeros(1, vocab, dtype=torch.int16, device=device)
+    sample_tokens(torch.zeros(2, vocab, device=device), params, counts)
+    return 1
 
 
 # -- the reference: the sampler's eager path ----------------------------------------------------
@@ -490,7 +510,7 @@ def ref_sample_tokens(
     min_p = p["min_p"][:, None]
     probs = torch.where(probs < min_p * probs.amax(-1, keepdim=True), 0.0, probs)
     noise = exponential_noise(p["seeds"], p["positions"], logits.shape[-1])
-    drawn = (probs / noise).argmax(dim=-1)
+    drawn = torch.where(noise > 0, probs / noise, -1.0).argmax(dim=-1)  # see _gumbel_key
     return torch.where(p["temperature"] > 0, drawn, greedy)
 
 

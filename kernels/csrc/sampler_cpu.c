@@ -47,6 +47,12 @@ static inline float noise(uint32_t key, int64_t id) {
     return -logf(((float)(bits >> 8) + 0.5f) * (1.0f / 16777216.0f));
 }
 
+/* prob / noise, or -1 where the noise rounds to 0 (see _gumbel_key in kernels/sampler.py). */
+static inline float gumbel_key(float prob, uint32_t key, int64_t id) {
+    const float n = noise(key, id);
+    return n > 0.0f ? prob / n : -1.0f;
+}
+
 static inline float word_float(int32_t w) {
     float f;
     memcpy(&f, &w, sizeof f);
@@ -125,7 +131,7 @@ static int64_t draw_whole_row(const Row *r, float m) {
     int64_t best = 0;
     for (int64_t v = 0; v < r->V; v++) {
         const float prob = expf(r->logits[v] / r->temperature - m) / s;
-        const float key = prob >= floor ? prob / noise(r->key, v) : -1.0f;
+        const float key = prob >= floor ? gumbel_key(prob, r->key, v) : -1.0f;
         if (key > best_key) best_key = key, best = v;
     }
     return best;
@@ -171,7 +177,7 @@ static int64_t draw_prefix(const Row *r, float m, int64_t *c) {
         const float prob = expf(unpack_x(c[i]) - m) / s_kept;
         if (prob < floor) break; /* probs fall along the prefix */
         const int64_t id = unpack_id(c[i], r->V);
-        const float key = prob / noise(r->key, id);
+        const float key = gumbel_key(prob, r->key, id);
         if (key > best_key) best_key = key, best = id;
     }
     return best;

@@ -192,3 +192,17 @@ def test_refuses_bad_params() -> None:
         sample_tokens_cpu(logits.double(), params, _no_counts(10, "cpu"))
     with pytest.raises(ValueError, match="counts must be"):
         sample_tokens_cpu(logits, params, torch.zeros(1, 10, dtype=torch.int32))
+
+
+def test_a_dropped_token_is_never_drawn_where_its_noise_rounds_to_zero(device) -> None:
+    """Seed 2177, position 0: token 2138's uniform rounds to 1, its noise to 0. The former path
+    divided the dropped token's prob 0 by it (NaN) and argmax drew it; now top-k 1 draws token 0."""
+    seeds, positions = torch.tensor([2177]), torch.tensor([0])
+    assert exponential_noise(seeds, positions, 4096)[0, 2138] == 0
+    logits = torch.zeros(1, 4096, device=device)
+    logits[0, 0] = 5.0
+    params = _params([(1.0, 1, 1.0, 0.0)], [2177], [0], device)
+    none = _no_counts(4096, device)
+    assert ref_sample_tokens(logits, params, none).tolist() == [0]
+    assert sample_tokens_cpu(logits.cpu(), params.cpu(), none.cpu()).tolist() == [0]
+    assert sample_tokens(logits, params, none, tile=1024, cand=16).tolist() == [0]
