@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -38,12 +39,13 @@ _table_version = operator.attrgetter("block_table_version")
 # the version of a row whose ids match no plan: unequal to every version and to None (a plan
 # without a version), so the row is written whole
 _UNVERSIONED = object()
+_NOTHING = (_UNVERSIONED, 0)
 
 
 class TableChanges(NamedTuple):
     """What one step did to the rows."""
 
-    rows: list[int]  # each scheduled request's row, in step order
+    rows: np.ndarray  # (S,) int64: each scheduled request's row, in step order
     num_changes: int  # (flat index, id) pairs written to the staging array
     widest: int  # blocks in the step's longest table
 
@@ -63,8 +65,8 @@ class BlockTableRows:
         self._flat = self.host.reshape(-1)  # a view: the flat index of (row, col) is row*W+col
         self._row_of: dict[str, int] = {}
         self._owner: list[str | None] = [None] * num_rows
-        self._version: list[object] = [_UNVERSIONED] * num_rows  # of the ids the row holds
-        self._length = [0] * num_rows  # ids of the owner's table the row holds
+        # (version, count) of the owner's ids the row holds
+        self._held: list[tuple[object, int]] = [_NOTHING] * num_rows
         self._last_step = np.full(num_rows, -1, np.int64)
         self._free = list(range(num_rows - 1, -1, -1))  # lowest row first
         self._step = 0
@@ -84,30 +86,26 @@ class BlockTableRows:
         widest = max(lens, default=0)
         if widest > self.width:
             raise ValueError(f"a table of {widest} blocks; rows hold {self.width}")
-        versions = list(map(_table_version, scheduled))
-        held_versions = list(map(self._version.__getitem__, rows))
-        held_lens = list(map(self._length.__getitem__, rows))
-        # the common row (same version, same length) is compared at C speed, never visited
-        stale = [
-            i
-            for i, v, hv, n, hn in zip(itertools.count(), versions, held_versions, lens, held_lens)
-            if v != hv or n != hn
-        ]
+        # (version, length) now and as the row holds it: equal for the common row, which is
+        # compared at C speed and never visited
+        now = list(zip(map(_table_version, scheduled), lens))
+        held = list(map(self._held.__getitem__, rows))
+        stale = itertools.compress(range(len(rows)), map(operator.ne, now, held))
         seg_starts: list[int] = []  # flat index of each changed run's first entry
         seg_lens: list[int] = []
         values: list[int] = []
         for i in stale:
-            row, n, v = rows[i], lens[i], versions[i]
-            held = held_lens[i] if v == held_versions[i] else 0
-            assert n >= held, (scheduled[i].request.request_id, n, held)  # a version only grows
-            seg_starts.append(row * self.width + held)
-            seg_lens.append(n - held)
-            values += tables[i][held:] if held else tables[i]
-            self._version[row] = _UNVERSIONED if v is None else v
-            self._length[row] = n
-        self._last_step[rows] = self._step
+            (version, n), (held_version, held_n) = now[i], held[i]
+            start = held_n if version == held_version else 0
+            assert n >= start, (scheduled[i].request.request_id, n, start)  # a version grows
+            seg_starts.append(rows[i] * self.width + start)
+            seg_lens.append(n - start)
+            values += tables[i][start:] if start else tables[i]
+            self._held[rows[i]] = (_UNVERSIONED if version is None else version, n)
+        rows_np = np.asarray(rows, np.int64)
+        self._last_step[rows_np] = self._step
         num_changes = self._write(seg_starts, seg_lens, values, staging)
-        return TableChanges(rows, num_changes, widest)
+        return TableChanges(rows_np, num_changes, widest)
 
     def _rows_for(self, request_ids: list[str]) -> list[int]:
         """Each request's row; a request without one takes one (see ``_take_row``)."""
@@ -121,11 +119,11 @@ class BlockTableRows:
                 rows[i] = self._take_row(request_ids[i])
         return rows  # type: ignore[return-value]
 
-    def forget(self, rows: list[int]) -> None:
+    def forget(self, rows: Iterable[int]) -> None:
         """Have ``rows`` written whole the next time (a step that failed after ``update``: its
         changes may never have reached the device)."""
         for row in rows:
-            self._version[row] = _UNVERSIONED
+            self._held[row] = _NOTHING
 
     def _write(
         self, seg_starts: list[int], seg_lens: list[int], values: list[int], staging: np.ndarray
@@ -152,7 +150,7 @@ class BlockTableRows:
             assert self._last_step[row] < self._step, "more sequences in a step than rows"
             del self._row_of[self._owner[row]]  # type: ignore[arg-type]
         self._owner[row], self._row_of[request_id] = request_id, row
-        self._version[row], self._length[row] = _UNVERSIONED, 0
+        self._held[row] = _NOTHING
         self._last_step[row] = self._step
         return row
 

@@ -88,6 +88,21 @@ class StepInputs(NamedTuple):
         )
 
 
+class _Views(NamedTuple):
+    """The device views of one step shape (fixed addresses)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_rows: torch.Tensor
+
+
+_VIEW_CACHE_SIZE = 256  # step shapes whose views are kept (cleared when full)
+
+
 class _Offsets(NamedTuple):
     tokens: int
     positions: int
@@ -144,6 +159,8 @@ class InputBuffers:
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._host)
         self._turn = itertools.cycle(range(len(self._host)))
         self._k = 0  # the host set in use
+        self._host_np = [(h64.numpy(), h32.numpy()) for h64, h32 in self._host]
+        self._view_cache: dict[tuple[int, ...], _Views] = {}
         self.last_host = self._host[0]  # the host set of the latest step (TP broadcasts it)
         if on_cuda:
             self.int64 = torch.zeros(o.int64_size, dtype=torch.int64, device=device)
@@ -155,26 +172,42 @@ class InputBuffers:
         self.rows = (_DeviceRows if on_cuda else _HostRows)(num_rows + 1, width, self.int32, o)
 
     # -- fixed device views (what a captured graph reads) ---------------------------------------
-    def views(self, num_tokens: int, num_seqs: int, row_stride: int) -> StepInputs:
-        o = self.off
+    def views(
+        self, num_tokens: int, num_seqs: int, row_stride: int, num_logits_rows: int = 0
+    ) -> StepInputs:
+        v = self._views(num_tokens, num_seqs, row_stride, num_logits_rows)
         meta = AttentionMetadata(
-            query_start_loc=self.int32[: num_seqs + 1],
-            seq_lens=self.int32[o.seq_lens : o.seq_lens + num_seqs],
-            block_tables=self._tables(num_seqs, row_stride),
-            slot_mapping=self.int64[o.slots : o.slots + num_tokens],
+            query_start_loc=v.query_start_loc,
+            seq_lens=v.seq_lens,
+            block_tables=v.block_tables,
+            slot_mapping=v.slot_mapping,
             query_lens=[],
             seq_lens_cpu=[],
             max_query_len=1,
             max_seq_len=row_stride * self.block_size,
         )
-        return StepInputs(
-            self.int64[o.tokens : o.tokens + num_tokens],
-            self.int64[o.positions : o.positions + num_tokens],
-            meta,
-            self.int64[o.logits_rows : o.logits_rows],
-            0,
-            0,
-        )
+        return StepInputs(v.input_ids, v.positions, meta, v.logits_rows, num_logits_rows, 0)
+
+    def _views(
+        self, num_tokens: int, num_seqs: int, row_stride: int, num_logits_rows: int
+    ) -> _Views:
+        """The tensor views of one step's shape, made once (slicing costs ~5 us a view)."""
+        key = (num_tokens, num_seqs, row_stride, num_logits_rows, torch.is_inference_mode_enabled())
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= _VIEW_CACHE_SIZE:
+                self._view_cache.clear()
+            o = self.off
+            views = self._view_cache[key] = _Views(
+                self.int64[o.tokens : o.tokens + num_tokens],
+                self.int64[o.positions : o.positions + num_tokens],
+                self.int32[: num_seqs + 1],
+                self.int32[o.seq_lens : o.seq_lens + num_seqs],
+                self._tables(num_seqs, row_stride),
+                self.int64[o.slots : o.slots + num_tokens],
+                self.int64[o.logits_rows : o.logits_rows + num_logits_rows],
+            )
+        return views
 
     def _tables(self, num_seqs: int, row_stride: int) -> torch.Tensor:
         o = self.off
@@ -220,7 +253,7 @@ class InputBuffers:
         a captured decode graph (pure decode steps only).
         """
         host64, host32 = self.next_host()
-        h64, h32 = host64.numpy(), host32.numpy()
+        h64, h32 = self._host_np[self._k]
         o = self.off
         batch = _HostBatch.build(scheduled, prev_rows)
         num_seqs = padded_seqs or len(scheduled)
@@ -239,20 +272,14 @@ class InputBuffers:
             self.table.forget(changes.rows)
             raise
         self.rows.gather(num_seqs, stride)
-        views = self.views(num_tokens, num_seqs, stride)
+        views = self.views(num_tokens, num_seqs, stride, len(batch.logits_rows))
+        pad = num_seqs - len(scheduled)
         meta = views.meta
-        meta.query_lens = batch.query_lens + [1] * (num_seqs - len(scheduled))
-        meta.seq_lens_cpu = batch.seq_lens + [0] * (num_seqs - len(scheduled))
-        meta.max_query_len = max(meta.query_lens)
+        meta.query_lens = batch.query_lens + [1] * pad if pad else batch.query_lens
+        meta.seq_lens_cpu = batch.seq_lens + [0] * pad if pad else batch.seq_lens
+        meta.max_query_len = 1 if batch.num_tokens == len(scheduled) else max(batch.query_lens)
         meta.max_seq_len = row_stride * self.block_size if row_stride else max(batch.seq_lens)
-        rows = len(batch.logits_rows)
-        return views._replace(
-            meta=meta,
-            logits_rows=self.int64[o.logits_rows : o.logits_rows + rows],
-            num_logits_rows=rows,
-            num_fill=len(batch.fill_dst),
-            num_table_changes=changes.num_changes,
-        )
+        return views._replace(num_fill=len(batch.fill_dst), num_table_changes=changes.num_changes)
 
     def adopt(self, shape: StepShape) -> StepInputs:
         """A tensor-parallel worker's step: ``last_host`` (from ``next_host``) already holds the
@@ -263,14 +290,15 @@ class InputBuffers:
         self._to_device(host64, host32, *self.used_prefixes(shape))
         self.rows.apply(shape.num_table_changes)
         self.rows.gather(shape.num_seqs, shape.row_stride)
-        views = self.views(shape.num_tokens, shape.num_seqs, shape.row_stride)
+        views = self.views(
+            shape.num_tokens, shape.num_seqs, shape.row_stride, shape.num_logits_rows
+        )
         h32 = host32.numpy()
         meta = views.meta
         meta.query_lens = np.diff(h32[: shape.num_seqs + 1]).tolist()
         meta.seq_lens_cpu = h32[o.seq_lens : o.seq_lens + shape.num_seqs].tolist()
         meta.max_query_len, meta.max_seq_len = shape.max_query_len, shape.max_seq_len
-        rows = self.int64[o.logits_rows : o.logits_rows + shape.num_logits_rows]
-        return views._replace(meta=meta, logits_rows=rows, num_logits_rows=shape.num_logits_rows)
+        return views
 
     def used_prefixes(self, shape: StepShape) -> tuple[int, int]:
         """The int64 and int32 elements a tensor-parallel worker needs of a step's host
@@ -461,7 +489,7 @@ class _HostBatch:
         """Fill the host buffers (padding rows included); slots come from the host rows."""
         n, s = self.num_tokens, len(self.query_lens)
         starts = np.asarray(self.starts, np.int64)
-        rows = np.asarray(changes.rows, np.int64)
+        rows = changes.rows
         if n == s:  # one token per sequence (decode): no repeats
             qsl = np.arange(s + 1, dtype=np.int64)
             positions, token_rows = starts, rows
