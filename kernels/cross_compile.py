@@ -42,13 +42,15 @@ LAUNCHER_MODULES = (
     "kernels.reshape_and_cache",
     "kernels.rms_norm",
     "kernels.rotary",
+    "kernels.sampler",
 )
 
-# The model shapes CI compiles for: (q heads, kv heads, head_dim, hidden, intermediate, q/k norm).
+# The model shapes CI compiles for: (q heads, kv heads, head_dim, hidden, intermediate, q/k norm,
+# vocabulary).
 REFERENCE_SHAPES = {
-    "Llama-3.2-1B": ModelShape(32, 8, 64, 2048, 8192),
-    "Llama-3-8B": ModelShape(32, 8, 128, 4096, 14336),
-    "Qwen3-8B": ModelShape(32, 8, 128, 4096, 12288, qk_norm=True),
+    "Llama-3.2-1B": ModelShape(32, 8, 64, 2048, 8192, vocab_size=128256),
+    "Llama-3-8B": ModelShape(32, 8, 128, 4096, 14336, vocab_size=128256),
+    "Qwen3-8B": ModelShape(32, 8, 128, 4096, 12288, qk_norm=True, vocab_size=151936),
 }
 
 

@@ -26,10 +26,11 @@ paged_prefill_attention         BLOCK_M 16, 32, 64, 128 (those max_num_batched_t
 paged_decode_attention          BLOCK_N 16, 64
 paged_decode_reduce             BLOCK_N 16, 64
 gather_blocks, scatter_blocks   1 each (the KV connector's save and load)
+sample_tiles, sample_pick       1 each (the sampler, per vocabulary: ModelShape.vocab_size)
 ```
 
-Llama-3-8B: 14 variants, about 1 s each to compile cold on one core; Triton's
-cache directory (``common/cache_dir.py``) keeps them for the next start.
+Llama-3-8B: 16 variants (2 of them the sampler's), about 1 s each to compile cold on one core;
+Triton's cache directory (``common/cache_dir.py``) keeps them for the next start.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kernels.paged_decode_attention import paged_decode_attention, warmup_plans
 from kernels.paged_prefill_attention import paged_prefill_attention, prefill_plan
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding_and_cache
+from kernels.sampler import warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class ModelShape:
     hidden_size: int
     intermediate_size: int
     qk_norm: bool = False  # Qwen3: rms_norm over each q and k head before RoPE
+    vocab_size: int = 0  # > 0: the sampler's kernels are warmed too
 
     def __post_init__(self) -> None:
         sizes = (self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size)
@@ -103,6 +106,8 @@ def warm_up(shape: ModelShape, limits: LaunchLimits, kv_cache: torch.Tensor) -> 
     calls += _prefill(shape, layer, limits.max_tokens)
     calls += _decode(shape, layer)
     calls += _block_copies(kv_cache)
+    if shape.vocab_size > 0:
+        calls += warm_up_sampler(shape.vocab_size, kv_cache.device)
     if kv_cache.device.type == "cuda":
         torch.cuda.synchronize(kv_cache.device)
     report = WarmupReport(calls, time.perf_counter() - start)
