@@ -321,7 +321,8 @@ class ClusterConfig:
 
 def check_model(config: ClusterConfig) -> str:
     """Refuse (ValueError, one line) what the model's ``config.json`` and the flags rule out,
-    before any process starts: an architecture pdserve has no code for, a ``--max-model-len``
+    before any process starts: an architecture pdserve has no code for (or not at the pools'
+    tensor-parallel sizes: a mixture-of-experts model), a ``--max-model-len``
     past the model's, a speculative config that does not parse or names a draft model that
     cannot serve. Resolving the model generates a built-in one (in a child process: `up`
     imports no torch) or finds a Hub id in the HF cache. Returns what was found, for the
@@ -329,7 +330,7 @@ def check_model(config: ClusterConfig) -> str:
     import json
 
     from common.models.names import resolve_model_path
-    from common.models.preflight import architecture, max_model_len
+    from common.models.preflight import architecture, check_tensor_parallel, max_model_len
 
     def read(model: str) -> dict:
         try:
@@ -343,6 +344,7 @@ def check_model(config: ClusterConfig) -> str:
 
     hf_config = read(config.model)
     arch = architecture(hf_config)
+    check_tensor_parallel(hf_config, max(config.prefill_tp, config.decode_tp))
     context = max_model_len(hf_config, config.engine.max_model_len)
     spec = config.engine.speculative_config
     if spec:

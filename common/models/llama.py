@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache; Mixtral and
+Qwen3-MoE are the same decoder with the sparse MLP of ``common/models/moe.py`` in its layers.
 
 Plain single-device PyTorch around a few fused ops (``kernels/ops.py``: Triton on CUDA, native
 C on CPU, one dispatched op each). A decoder layer is ten ops:
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata
+from common.models.moe import MoeArgs, SparseMoe
 from common.models.preflight import architecture
 from common.parallel.group import TensorParallel
 from common.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
@@ -58,6 +60,7 @@ class LlamaArgs:
     o_bias: bool  # Llama/Qwen3 ``attention_bias`` puts a bias on o_proj too; Qwen2 has none there
     qk_norm: bool  # Qwen3: RMSNorm of each q and k head before RoPE
     tie_word_embeddings: bool
+    moe: MoeArgs | None = None  # Mixtral, Qwen3-MoE: the sparse MLP (``common/models/moe.py``)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> LlamaArgs:
@@ -78,8 +81,9 @@ class LlamaArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            moe=MoeArgs.from_hf(cfg, arch),
         )
 
 
@@ -238,7 +242,11 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer, backend, tp)
-        self.mlp = MLP(args, tp)
+        self.mlp: nn.Module = (
+            SparseMoe(args.moe, args.hidden_size)
+            if args.moe is not None and layer in args.moe.sparse_layers
+            else MLP(args, tp)
+        )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

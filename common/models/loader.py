@@ -2,6 +2,14 @@
 
 HF names map one to one except the fused projections: ``q_proj|k_proj|v_proj`` → ``qkv_proj``
 and ``gate_proj|up_proj`` → ``gate_up_proj`` (each checkpoint tensor is copied into its rows).
+MoE experts (``common/models/moe.py``) are stacked ``experts.gate_up_proj (E, 2 I, H)`` and
+``experts.down_proj (E, H, I)``, filled from either layout a checkpoint has:
+
+- stacked, as transformers 5 holds them: ``mlp.experts.gate_up_proj`` / ``.down_proj``;
+- per expert, as the Hub's checkpoints and transformers' ``save_pretrained`` write them:
+  Qwen3-MoE ``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``, Mixtral
+  ``block_sparse_moe.experts.{e}.w1|w3|w2.weight`` (gate, up, down; its router
+  ``block_sparse_moe.gate`` is our ``mlp.gate``).
 
 Under tensor parallelism each rank reads only its slices (safetensors ``get_slice``): q/k/v rows
 of its heads (a KV head shared by several ranks is read by each), gate/up rows and down_proj
@@ -16,7 +24,7 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -25,6 +33,7 @@ from tqdm import tqdm
 
 from common.attention import AttentionBackend
 from common.models.llama import LlamaArgs, LlamaForCausalLM, local_heads
+from common.models.preflight import check_tensor_parallel
 from common.parallel.group import TensorParallel, check_divisible
 
 logger = logging.getLogger(__name__)
@@ -37,6 +46,30 @@ _FUSED = {  # HF suffix → (our suffix, shard index)
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_EXPERT = {  # per-expert HF suffix → (our stacked parameter, shard of gate_up_proj)
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w1": ("gate_up_proj", 0),  # Mixtral
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", None),
+}
+
+
+class Target(NamedTuple):
+    """Where one checkpoint tensor goes: parameter ``name``, its ``shard`` of a fused
+    projection (None: all rows), its ``expert`` of a stacked MoE weight (None: all experts)."""
+
+    name: str
+    shard: int | None = None
+    expert: int | None = None
+
+    @property
+    def key(self) -> str:
+        """What ``_check_complete`` counts as loaded."""
+        if self.shard is None and self.expert is None:
+            return self.name
+        return f"{self.name}#{self.expert}.{self.shard}"
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -69,6 +102,7 @@ def build_model(
     """Construct the model on ``device`` in ``dtype`` and fill its weights (``tp``: this rank's
     shard only)."""
     args = LlamaArgs.from_hf(hf_config)
+    check_tensor_parallel(hf_config, tp.size if tp is not None else 1)
     if tp is not None:
         check_divisible(tp.size, args.num_heads, args.num_kv_heads, args.intermediate_size)
     start = time.perf_counter()
@@ -143,29 +177,39 @@ def _load_safetensors(
                 target = _map_name(hf_name, args)
                 if target is None:
                     continue
-                name, shard = target
                 if tp is None:
                     tensor = f.get_tensor(hf_name)
                 else:
-                    tensor = _read_shard(f, hf_name, name, shard, args, tp)
-                _copy_into(params[name], tensor, name, shard, args, tp)
-                loaded.add(name if shard is None else f"{name}#{shard}")
+                    tensor = _read_shard(f, hf_name, target.name, target.shard, args, tp)
+                _copy_into(params[target.name], tensor, target, args, tp)
+                loaded.add(target.key)
     _check_complete(params, loaded, args)
 
 
-def _map_name(hf_name: str, args: LlamaArgs) -> tuple[str, int | None] | None:
-    """HF tensor name → (our parameter name, shard index of a fused projection)."""
+def _map_name(hf_name: str, args: LlamaArgs) -> Target | None:
+    """HF tensor name → where it goes (None: not a weight of ours)."""
     if "rotary_emb" in hf_name:
         return None
-    name = hf_name.removeprefix("model.")
+    name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
     if name == "lm_head.weight" and args.tie_word_embeddings:
         return None
     parts = name.split(".")
+    if "experts" in parts:
+        return _map_expert(parts)
     for i, part in enumerate(parts):
         if part in _FUSED:
             fused, shard = _FUSED[part]
-            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
-    return name, None
+            return Target(".".join([*parts[:i], fused, *parts[i + 1 :]]), shard)
+    return Target(name)
+
+
+def _map_expert(parts: list[str]) -> Target:
+    """``….experts.gate_up_proj`` (stacked) or ``….experts.{e}.{proj}.weight`` (one expert)."""
+    i = parts.index("experts")
+    if not parts[i + 1].isdigit():
+        return Target(".".join(parts))
+    stacked, shard = _EXPERT[parts[i + 2]]
+    return Target(".".join([*parts[: i + 1], stacked]), shard, int(parts[i + 1]))
 
 
 def _read_shard(
@@ -200,20 +244,21 @@ def _read_shard(
 def _copy_into(
     param: torch.Tensor,
     tensor: torch.Tensor,
-    name: str,
-    shard: int | None,
+    target: Target,
     a: LlamaArgs,
     tp: TensorParallel | None = None,
 ) -> None:
-    if shard is None:
-        dst = param.data
-    else:
+    dst = param.data if target.expert is None else param.data[target.expert]
+    shard = target.shard
+    if shard is not None:
         heads, kv_heads = local_heads(a, tp)
         q, kv = heads * a.head_dim, kv_heads * a.head_dim
         inter = a.intermediate_size // (tp.size if tp is not None else 1)
-        sizes = [q, kv, kv] if "qkv_proj" in name else [inter, inter]
+        if target.expert is not None and a.moe is not None:
+            inter = a.moe.intermediate_size
+        sizes = [q, kv, kv] if "qkv_proj" in target.name else [inter, inter]
         begin = sum(sizes[:shard])
-        dst = param.data[begin : begin + sizes[shard]]
+        dst = dst[begin : begin + sizes[shard]]
     if dst.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} for {tuple(dst.shape)}")
     dst.copy_(tensor.to(dst.dtype))  # cast on the host: no wider copy on the device
@@ -224,12 +269,19 @@ def _check_complete(params: Mapping[str, torch.Tensor], loaded: set[str], args: 
     for name in params:
         if args.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if "qkv_proj" in name or "gate_up_proj" in name:
-            shards = 3 if "qkv_proj" in name else 2
-            if any(f"{name}#{s}" not in loaded for s in range(shards)):
-                missing.append(name)
-        elif name not in loaded:
+        if name not in loaded and any(k not in loaded for k in _pieces(name, args)):
             missing.append(name)
     if missing:
         more = "…" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
+
+
+def _pieces(name: str, args: LlamaArgs) -> list[str]:
+    """The keys that, all loaded, fill parameter ``name`` piece by piece (none: only whole)."""
+    experts = range(args.moe.num_experts) if args.moe is not None and ".experts." in name else None
+    if experts is not None:
+        shards = (0, 1) if name.endswith("gate_up_proj") else (None,)
+        return [Target(name, s, e).key for e in experts for s in shards]
+    if "qkv_proj" in name or "gate_up_proj" in name:
+        return [Target(name, s).key for s in range(3 if "qkv_proj" in name else 2)]
+    return []

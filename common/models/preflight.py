@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")  # common/models/moe.py
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 DEFAULT_MAX_POSITIONS = 2048  # a config that names no max_position_embeddings
 
 
@@ -16,6 +23,17 @@ def architecture(hf_config: dict[str, Any]) -> str:
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {ARCHITECTURES}")
     return arch
+
+
+def check_tensor_parallel(hf_config: dict[str, Any], size: int) -> None:
+    """ValueError when the model cannot be split over ``size`` ranks: a mixture-of-experts
+    model runs on one device only (its experts are not sharded yet)."""
+    arch = architecture(hf_config)
+    if size > 1 and arch in MOE_ARCHITECTURES:
+        raise ValueError(
+            f"{arch} does not run under tensor parallelism yet (tensor_parallel_size {size}):"
+            " serve it with tensor_parallel_size 1"
+        )
 
 
 def max_model_len(hf_config: dict[str, Any], asked: int | None) -> int:
