@@ -115,7 +115,7 @@ def test_tokenizer_round_trips_and_agrees_with_raw_tokenizers(cache_root: Path, 
         assert raw.encode(text).ids == ids  # every reader of the directory sees the same ids
     assert 1000 <= len(tokenizer) <= 2048
     first = tokenizer.encode("hi")[0]
-    if name == "tiny-llama":
+    if TINY_MODELS[name].specials_first:  # tiny-llama's tokenizer (tiny-mixtral's too)
         assert (tokenizer.bos_token_id, tokenizer.eos_token_id, first) == (1, 2, 1)
     else:
         assert tokenizer.bos_token_id is None and first not in tokenizer.all_special_ids
@@ -136,9 +136,11 @@ def test_chat_template(cache_root: Path, name: str) -> None:
         "tiny-qwen2": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n",
     }
-    expected["tiny-qwen3"] = expected["tiny-qwen2"]
+    expected["tiny-qwen3"] = expected["tiny-qwen3-moe"] = expected["tiny-qwen2"]
+    expected["tiny-mixtral"] = expected["tiny-llama"]
     assert text == expected[name]
     markers = {"tiny-llama": ("<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>")}
+    markers["tiny-mixtral"] = markers["tiny-llama"]
     for marker in markers.get(name, ("<|im_start|>", "<|im_end|>")):
         [token_id] = tokenizer.encode(marker, add_special_tokens=False)  # one token each
         assert token_id in tokenizer.all_special_ids
@@ -155,7 +157,7 @@ _RACE_SCRIPT = """
 import logging, pathlib, sys, time
 from common.models.tiny import ensure_tiny_model
 import transformers, transformers.models.llama, transformers.models.qwen2  # slow imports first
-import transformers.models.qwen3
+import transformers.models.qwen3, transformers.models.mixtral, transformers.models.qwen3_moe
 logging.basicConfig(level=logging.INFO)
 pathlib.Path(sys.argv[1]).touch()
 while not pathlib.Path(sys.argv[2]).exists():
@@ -267,6 +269,16 @@ _SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_at
         ("mistral", dict(num_key_value_heads=1, head_dim=32, sliding_window=None)),
         ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
         ("qwen3", dict(num_key_value_heads=1, head_dim=48, tie_word_embeddings=True)),
+        ("mixtral", dict(num_key_value_heads=1, num_local_experts=4, sliding_window=None)),
+        (
+            "qwen3_moe",
+            dict(
+                num_key_value_heads=1,
+                moe_intermediate_size=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
+        ),
     ],
 )
 def test_sharded_checkpoint_loads_with_same_logits(

@@ -1,10 +1,10 @@
 """Built-in tiny random models, generated deterministically on first use.
 
 `tiny-llama` (the default model everywhere), `tiny-qwen2` and `tiny-qwen3` (q/k norms, a
-`head_dim` wider than `hidden_size / heads`) let every component, test and demo run with no
-download. On first use a model is written, as an ordinary Hugging Face model
-directory, into `<cache root>/models/<name>-v1` (cache root: `$PDSERVE_CACHE_DIR`, else
-`~/.cache/pdserve`):
+`head_dim` wider than `hidden_size / heads`), and the mixture-of-experts `tiny-mixtral` and
+`tiny-qwen3-moe` let every component, test and demo run with no download. On first use a model
+is written, as an ordinary Hugging Face model directory, into `<cache root>/models/<name>-v1`
+(cache root: `$PDSERVE_CACHE_DIR`, else `~/.cache/pdserve`):
 
     config.json  generation_config.json  model.safetensors
     tokenizer.json  tokenizer_config.json (with chat_template)  special_tokens_map.json
@@ -57,7 +57,7 @@ from common.models.names import is_tiny_model, tiny_model_dir
 
 logger = logging.getLogger(__name__)
 
-Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
+Arch = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -229,6 +229,46 @@ TINY_MODELS["tiny-qwen3"] = dataclasses.replace(
     },
     seed=5678,
 )
+# Mixtral in small: tiny-llama's tokenizer and attention, every layer 4 experts of which each
+# token takes 2 (Mixtral's 8 choose 2, halved). Expert widths are multiples of 32, as real ones.
+TINY_MODELS["tiny-mixtral"] = dataclasses.replace(
+    TINY_MODELS["tiny-llama"],
+    name="tiny-mixtral",
+    arch="mixtral",
+    config={
+        key: value
+        for key, value in TINY_MODELS["tiny-llama"].config.items()
+        if key not in ("rope_scaling", "intermediate_size", "num_hidden_layers")
+    }
+    | {
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+    },
+    seed=2468,
+)
+# Qwen3-MoE in small: tiny-qwen3's tokenizer and attention (q/k norms), 8 experts, top 2 with
+# the top-k weights renormalised (Qwen3-30B-A3B's ``norm_topk_prob``), every layer sparse
+TINY_MODELS["tiny-qwen3-moe"] = dataclasses.replace(
+    TINY_MODELS["tiny-qwen3"],
+    name="tiny-qwen3-moe",
+    arch="qwen3_moe",
+    config={
+        **TINY_MODELS["tiny-qwen3"].config,
+        "num_hidden_layers": 3,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+    },
+    seed=8642,
+)
 
 
 def resolve_model_path(name_or_path: str) -> Path:
@@ -342,13 +382,22 @@ def _tiny_config_kwargs(spec: TinyModelSpec, tokenizer: Tokenizer) -> dict[str, 
 
 
 def _build_config(arch: Arch, config_kwargs: dict[str, Any], dtype: torch.dtype) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     config_cls = {
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
         "mistral": MistralConfig,
+        "mixtral": MixtralConfig,
+        "qwen3_moe": Qwen3MoeConfig,
     }[arch]
     config = config_cls(**config_kwargs, torch_dtype=str(dtype).removeprefix("torch."))
     config.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
@@ -380,7 +429,9 @@ def _random_state_dict(config: Any, seed: int) -> dict[str, torch.Tensor]:
 # Gains over N(0, 1/fan_in), chosen by measuring greedy decoding: sharper attention (q, k) and
 # strong residual branches (o, down) keep the models from collapsing into repeating one token
 # (with tied embeddings the input token's own embedding otherwise dominates the logits).
-_LINEAR_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "o_proj": 3.0, "down_proj": 3.0}
+_LINEAR_GAIN = {"q_proj": 2.0, "k_proj": 2.0, "o_proj": 3.0, "down_proj": 3.0, "gate": 2.0}
+# "gate" is a MoE router: logits of std ~2 make each token's top-k experts clear winners, so
+# ulp-level differences never swap a chosen expert (they would change the output by far more)
 
 
 # Qwen3's q/k norms make every head unit-RMS before the dot product, so the projections' gains
@@ -401,6 +452,9 @@ def _scale_init(
         return embed_std * noise
     if name.startswith("lm_head"):
         return 3.0 / math.sqrt(hidden) * noise
+    if param.dim() == 3:  # stacked experts (E, out, in): E linear weights
+        gain = _LINEAR_GAIN.get(name.split(".")[-1], 1.0)
+        return gain / math.sqrt(param.shape[2]) * noise
     gain = _LINEAR_GAIN.get(name.split(".")[-2], 1.0)
     return gain / math.sqrt(param.shape[1]) * noise  # (out, in) linear weight
 
