@@ -109,6 +109,12 @@ class _Hypothesis(NamedTuple):
     finish_reason: str
 
 
+def length_penalised(score: np.float32, length: int, length_penalty: float) -> np.float32:
+    """HF's hypothesis score: the float32 sum divided by the Python float ``length **
+    length_penalty``, which torch casts to float32 before it divides."""
+    return f32(score / f32(float(length) ** length_penalty))
+
+
 class BeamSearch:
     """One prompt's search. Each round: ``beams()`` are the token ids to score, ``advance``
     takes their top ``num_logprobs`` candidates; once ``done``, ``hypotheses()``."""
@@ -178,15 +184,11 @@ class BeamSearch:
         beam = self.running[c.beam]
         return _Beam((*beam.output, c.token_id), (*beam.logprobs, c.logprob), c.score)
 
-    def _penalised(self, score: np.float32, length: int) -> np.float32:
-        # HF divides the float32 sum by the Python float ``length ** penalty``, cast to float32
-        return f32(score / f32(float(length) ** self.length_penalty))
-
     def _add_hypotheses(self, ended: list[_Candidate], length: int) -> None:
         new = [
             _Hypothesis(
                 self._extend(c),
-                self._penalised(c.score, length),
+                length_penalised(c.score, length, self.length_penalty),
                 "stop" if c.token_id in self.eos else "length",
             )
             for c in ended
@@ -201,5 +203,5 @@ class BeamSearch:
             return False
         if len(self.finished) < self.width:
             return True
-        best = self._penalised(self.running[0].score, self.num_generated)
+        best = length_penalised(self.running[0].score, self.num_generated, self.length_penalty)
         return bool(best > self.finished[-1].score)

@@ -10,7 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from common import LLM
-from common.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence, TopLogprobs
+from common.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    BeamSearchSequence,
+    TopLogprobs,
+    length_penalised,
+)
 from common.models.tiny import resolve_model_path
 from tests.engine.hf_reference import random_prompts
 
@@ -267,6 +273,20 @@ def test_hypothesis_ending_below_the_top_width_is_dropped():
     assert not search.done
 
 
+def test_search_stops_when_no_running_beam_can_win():
+    """HF's heuristic: once ``width`` hypotheses exist, the search ends when the best running
+    beam, scored at the current length, does not beat the worst of them."""
+    search = BeamSearch([7], BeamSearchParams(2, 9), eos_token_ids=[2], max_tokens=9)
+    search.advance([fake_tops({2: -0.1, 3: -0.2, 10: -1.0, 11: -1.1}, 4)])
+    assert not search.done  # one hypothesis of two
+    search.advance([fake_tops({2: -0.05, 12: -3.0}, 4), fake_tops({13: -3.0, 14: -3.1}, 4)])
+    # hypotheses (2,) at -0.1 and (3, 2) at -0.125; best running (3, 12): -3.2 / 2 < -0.125
+    assert search.done
+    seqs = search.sequences()
+    assert [s.output_token_ids for s in seqs] == [[2], [3, 2]]
+    assert [s.finish_reason for s in seqs] == ["stop", "stop"]
+
+
 def test_width_one_is_greedy_to_the_first_eos():
     search = BeamSearch([7], BeamSearchParams(1, 5), eos_token_ids=[2], max_tokens=5)
     assert search.num_logprobs == 1
@@ -280,9 +300,8 @@ def test_width_one_is_greedy_to_the_first_eos():
 
 def test_length_penalty_rounds_as_torch():
     """The penalised score is HF's float32 tensor divided by a Python float."""
-    search = BeamSearch([1], BeamSearchParams(2, 9, length_penalty=0.7), [2], max_tokens=9)
     values = torch.randn(1000) * 20
-    for length in (1, 3, 7):
-        want = (values / (length**0.7)).tolist()
-        got = [float(search._penalised(v, length)) for v in values.numpy()]
+    for length, penalty in ((1, 0.7), (3, 0.7), (7, -0.5), (12, 2.0)):
+        want = (values / (length**penalty)).tolist()
+        got = [float(length_penalised(v, length, penalty)) for v in values.numpy()]
         assert got == want
