@@ -102,6 +102,22 @@ def test_beam_search_matches_hf_quick():
             check_against_hf(llm, hf, prompts, width, 6, 1.0)
 
 
+def test_beam_search_text_and_context_limit():
+    """A text prompt is tokenized and each hypothesis's output decoded; ``max_tokens`` is cut to
+    the room ``max_model_len`` leaves; a prompt that leaves none is refused, holding nothing."""
+    with LLM(model="tiny-llama", block_size=16, num_blocks=64, max_model_len=40) as llm:
+        (out,) = llm.beam_search("the cat sat", BeamSearchParams(2, 4), use_tqdm=False)
+        assert out.prompt_token_ids == llm.tokenizer.encode("the cat sat")
+        for seq in out.sequences:
+            assert seq.tokens[: len(out.prompt_token_ids)] == out.prompt_token_ids
+            assert seq.text == llm.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        (cut,) = llm.beam_search([[5] * 36], BeamSearchParams(2, 10, ignore_eos=True))
+        assert [len(s.output_token_ids) for s in cut.sequences] == [4, 4]
+        with pytest.raises(ValueError, match="no room"):
+            llm.beam_search([[5] * 10, [5] * 40], BeamSearchParams(2, 4), use_tqdm=False)
+        assert_no_leak(llm)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_beam_search_matches_hf_tiny_models(name):
