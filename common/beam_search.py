@@ -117,7 +117,7 @@ def length_penalised(score: np.float32, length: int, length_penalty: float) -> n
 
 class BeamSearch:
     """One prompt's search. Each round: ``beams()`` are the token ids to score, ``advance``
-    takes their top ``num_logprobs`` candidates; once ``done``, ``hypotheses()``."""
+    takes their top ``num_logprobs`` candidates; once ``done``, ``sequences()``."""
 
     def __init__(
         self, prompt: list[int], params: BeamSearchParams, eos_token_ids: list[int], max_tokens: int
