@@ -94,3 +94,22 @@ def test_kept_counts_give_the_tokens_of_whole_lists(llm, monkeypatch) -> None:
     counts = llm.engine.runner.sampler._penalties
     assert counts is not None and counts.counts.shape[0] >= 3
     counts.check_integrity()
+
+
+@pytest.mark.slow  # two engines, ~40 s alone (94 s at load 8)
+def test_speculative_rows_with_penalties_equal_plain_decoding() -> None:
+    """n-gram drafts: a request's first row keeps its counts (accepted drafts arrive as several
+    new tokens at once), the draft rows after it are built from their lists each step."""
+    from tests.engine.test_spec_decode import NGRAM, PROMPTS
+
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=32),
+        SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3, seed=4,
+                       max_tokens=32),
+    ] * (len(PROMPTS) // 2) + [SamplingParams(temperature=0.0, max_tokens=32)] * (len(PROMPTS) % 2)  # fmt: skip
+    plain = LLM(model="tiny-llama").generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(model="tiny-llama", speculative_config=NGRAM)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.stats().spec_num_drafts > 0
+    llm.engine.runner.sampler._penalties.check_integrity()
