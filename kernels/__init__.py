@@ -4,7 +4,8 @@ plain-PyTorch ``ref_*`` twin; the native CPU kernels (C, built on first use) are
 
 Importing the package registers the fused ops as ``torch.ops.pdserve.*`` (``kernels.ops``):
 ``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul``, ``rotary_embedding_and_cache`` (CPU and
-CUDA) and ``paged_decode_attention_cpu``; one dispatched op runs one kernel.
+CUDA) and ``paged_decode_attention_cpu``; one dispatched op runs one kernel. ``sample_tokens``
+(``kernels/sampler.py``) samples a step's rows: two kernels on CUDA, one native call on the CPU.
 
 Cache layout (see docs/ARCHITECTURE.md): ``kv_cache (L, 2, N, bs, Hkv, D)``; the attention
 kernels, ``reshape_and_cache`` and ``rotary_embedding_and_cache`` take one layer's view

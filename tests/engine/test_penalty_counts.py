@@ -96,7 +96,7 @@ def test_kept_counts_give_the_tokens_of_whole_lists(llm, monkeypatch) -> None:
     counts.check_integrity()
 
 
-@pytest.mark.slow  # two engines, ~40 s alone (94 s at load 8)
+@pytest.mark.slow  # two engines: 94 s measured at a load average of 8
 def test_speculative_rows_with_penalties_equal_plain_decoding() -> None:
     """n-gram drafts: a request's first row keeps its counts (accepted drafts arrive as several
     new tokens at once), the draft rows after it are built from their lists each step."""
