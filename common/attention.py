@@ -15,59 +15,18 @@ everything in the cache, so prefix hits and earlier prompt chunks need no specia
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
-from itertools import accumulate
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from common.attention_metadata import AttentionMetadata, LayerHooks  # noqa: F401 - re-exported
 from common.attention_plan import RowTensors, StepLaunch, step_launch
 
 try:  # FlashAttention-2 varlen (torch >= 2.10)
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - older torch: chunks all take the Triton kernel
     varlen_attn = None
-
-
-class LayerHooks(Protocol):
-    """Per-layer callbacks of the KV connector (layer-wise load and save)."""
-
-    def before_layer(self, layer: int) -> None: ...
-
-    def after_layer(self, layer: int, kv_layer: torch.Tensor) -> None: ...
-
-
-@dataclass
-class AttentionMetadata:
-    """Inputs of every attention layer for one flat mixed batch of ``S`` sequences, ``T`` tokens.
-
-    Device tensors: ``query_start_loc (S+1,) int32``, ``seq_lens (S,) int32``,
-    ``block_tables (S, max_blocks) int32`` (padded with 0), ``slot_mapping (T,) int64``
-    (-1 = do not write). Host lists ``query_lens``/``seq_lens_cpu`` serve the torch path.
-    """
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_lens: list[int]
-    seq_lens_cpu: list[int]
-    max_query_len: int
-    max_seq_len: int
-    hooks: LayerHooks | None = None
-    # What a backend derives once per step for all layers (its row split, index tensors).
-    step_cache: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @cached_property
-    def query_starts_cpu(self) -> list[int]:
-        """Host copy of ``query_start_loc[:-1]``, computed once per step for every layer."""
-        return [0, *accumulate(self.query_lens)][:-1]
 
 
 class AttentionBackend(Protocol):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from common.attention import AttentionMetadata
+    from common.attention_metadata import AttentionMetadata
     from kernels.paged_decode_attention import DecodePlan
     from kernels.paged_prefill_attention import PrefillPlan
 
