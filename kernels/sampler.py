@@ -187,7 +187,8 @@ def _sample_tiles_kernel(
     mask = cols < V
     x = _scaled(logits_ptr + row * stride_logits, counts_ptr, row_params, cols, mask, V, True)
     x_max = tl.max(x, axis=0)
-    e = tl.where(mask, tl.exp(x - x_max), 0.0)
+    # a tile the grammar mask emptied (all -inf) has no mass: exp(-inf - 0), not exp(NaN)
+    e = tl.where(mask, tl.exp(x - tl.where(x_max > float("-inf"), x_max, 0.0)), 0.0)
     gumbel = _gumbel_key(e, _row_key(row_params), cols, mask)
     winner = tl.argmax(gumbel, axis=0)
     winner_x = tl.max(tl.where(cols == tile * TILE + winner, x, float("-inf")), axis=0)

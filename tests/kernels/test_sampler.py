@@ -39,6 +39,7 @@ TRITON_ROWS = [
     (2.0, -1, 0.9, 0.0),  # a flat row: top-p by bisection
     (1.5, -1, 1.0, 0.02),  # min-p alone runs past the candidates: bisection
     (1.0, 200, 0.8, 0.0),  # top-k past the candidates: both bisections
+    (1.0, -1, 1.0, 0.0),  # a grammar mask left two tiles all -inf (see test_triton_matches_ref)
 ]
 
 
@@ -99,6 +100,7 @@ def test_triton_matches_ref(device) -> None:
     vocab = 1000  # four tiles of 256, the last one partial
     logits = torch.randn(len(TRITON_ROWS), vocab, device=device) * 2.0
     logits[5] *= 4.0  # peaked
+    logits[10, :512] = float("-inf")
     seeds = [random.Random(i).randrange(2**63) for i in range(len(TRITON_ROWS))]
     positions = list(range(3, 3 + len(TRITON_ROWS)))
     params = _params(TRITON_ROWS, seeds, positions, device)
