@@ -44,7 +44,8 @@ from kernels import native
 from kernels._common import check, check_runnable
 
 TILE = 4096  # vocabulary entries per pass-1 program
-CAND = 128  # candidates each tile hands to pass 2
+CAND = 128  # candidates each tile hands to pass 2 (fewer where the tiles are many, see below)
+MAX_CANDIDATES = 4096  # pass 2 sorts at most this many per row (a larger sort compiles for minutes)
 SMALL_TOP_K = 1024  # the ref takes topk instead of a full sort when every row's top_k is below
 PARAM_WORDS = 16  # int32 words per row of the packed parameters (see pack_params)
 NEW_TOKENS = 4  # output tokens a row's parameters can add to its counts (see pack_params)
@@ -405,7 +406,7 @@ def sample_tokens(
     counts: torch.Tensor,
     *,
     tile: int = TILE,
-    cand: int = CAND,
+    cand: int | None = None,
 ) -> torch.Tensor:
     """One token per row (Triton, two launches). Reads ``logits`` and never modifies them.
 
@@ -417,18 +418,22 @@ def sample_tokens(
             with a slot adds its ``new_tokens`` to that slot's counts before it is penalised.
             Two rows must not share a slot. ``(0, V)`` when no row has penalties.
         tile, cand: pass 1's tile width and candidates per tile (powers of two, cand <= tile);
-            the engine keeps the defaults, the interpreted tests take small ones.
+            the engine keeps the defaults (``CAND``, or ``MAX_CANDIDATES`` over the tile count
+            rounded up to a power of two: 64 for a 151,936-entry vocabulary), the interpreted
+            tests take small ones.
 
     Returns ``(B,)`` int64 token ids.
     """
     _check_args(logits, params, counts)
     check_runnable(_sample_tiles_kernel, logits.device)
+    num_tiles = triton.cdiv(logits.shape[1], tile)
+    if cand is None:
+        cand = min(CAND, tile, max(MAX_CANDIDATES // triton.next_power_of_2(num_tiles), 1))
     check(0 < cand <= tile and cand & (cand - 1) == 0 == tile & (tile - 1), "tile, cand: 2**i")
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return tokens
-    num_tiles = triton.cdiv(vocab, tile)
     stats = torch.empty(rows, num_tiles, 4, dtype=torch.float32, device=logits.device)
     winners = torch.empty(rows, num_tiles, dtype=torch.int32, device=logits.device)
     candidates = torch.empty(rows, num_tiles, cand, dtype=torch.int64, device=logits.device)
