@@ -259,3 +259,30 @@ def test_prepare_at_256_by_4k_costs_under_half_a_millisecond():
     Rebuilding the tables from the lists cost 2.2-2.5 ms here (median of 64 steps)."""
     times = prepare_cpu_us(256, 4096, steps=96)
     assert quiet_median(times) / 1e3 <= PREPARE_CPU_LIMIT_MS, sorted(times)[::8]
+
+
+def test_the_device_rows_apply_and_gather_as_the_host_rows():
+    """The CUDA path's torch ops (``index_put_`` of the staged pairs, ``index_select`` into the
+    step's table), run here on CPU tensors, give the numpy path's tables."""
+    from common.step_inputs import _DeviceRows, _HostRows, _offsets
+
+    limits = BatchLimits(64, 4, WIDTH)
+    o = _offsets(limits)
+    rng = random.Random(1)
+    bufs = [torch.zeros(o.int32_size, dtype=torch.int32) for _ in range(2)]
+    host, device = _HostRows(9, WIDTH, bufs[0], o), _DeviceRows(9, WIDTH, bufs[1], o)
+    for _ in range(20):
+        n = rng.randrange(1, 2 * WIDTH)
+        flat = rng.sample(range(9 * WIDTH), n)
+        pairs = [v for f in flat for v in (f, rng.randrange(1000))]
+        seqs, stride = rng.randrange(1, 5), rng.randrange(1, WIDTH + 1)
+        rows = [rng.randrange(9) for _ in range(seqs)]
+        for buf in bufs:
+            buf[o.table_changes : o.table_changes + 2 * n] = torch.tensor(pairs)
+            buf[o.table_rows : o.table_rows + seqs] = torch.tensor(rows)
+        for rows_of in (host, device):
+            rows_of.apply(n)
+            rows_of.gather(seqs, stride)
+        span = slice(o.block_tables, o.block_tables + seqs * stride)
+        assert torch.equal(bufs[0][span], bufs[1][span])
+        assert np.array_equal(host.rows, device.rows.numpy())
