@@ -322,3 +322,21 @@ def test_sampler_traced_on_meta(monkeypatch):
     print(f"\nsampler, batch {BATCH}, temperature + top-p: {tracer.total} launches "
           f"({tracer.uploads} uploads): {dict(tracer.launches)}")  # fmt: skip
     assert tracer.uploads > 0 and tracer.total > tracer.uploads
+
+
+def test_block_table_rows_on_the_device_take_two_launches_and_no_sync():
+    """A step's block tables on CUDA (``common/step_inputs.py``'s ``_DeviceRows``, traced on
+    ``meta``): the staged changes applied to the device rows and the step's table gathered from
+    them, at 256 sequences x 128k ``max_model_len``: two launches, no host sync, no host tensor
+    (the tables themselves never cross from the host)."""
+    from common.step_inputs import _DeviceRows, _offsets
+
+    limits = BatchLimits(max_tokens=8192, max_seqs=256, max_blocks_per_seq=131072 // BLOCK_SIZE)
+    o = _offsets(limits)
+    int32 = torch.empty(o.int32_size, dtype=torch.int32, device="meta")
+    rows = _DeviceRows(2 * limits.max_seqs + 1, limits.max_blocks_per_seq, int32, o)
+    tracer = GraphRegionTracer()
+    with torch.inference_mode(), tracer:
+        rows.apply(16)
+        rows.gather(256, limits.max_blocks_per_seq)
+    assert tracer.launches == {"aten.index_put_": 1, "aten.index_select": 1}, tracer.launches
