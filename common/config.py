@@ -91,7 +91,7 @@ class RunnerConfig:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
-    max_seq_len_to_capture: int = 8192
+    max_seq_len_to_capture: int | None = None  # None: max_model_len
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,11 @@ class EngineConfig:
     # Tiny models on few cores run faster on one thread; a node given one core wants 1.
     cpu_threads: int | None = None
     # CUDA: no decode graphs (vLLM's name); graph batch sizes (default 1, 2, 4, 8, 16, 24, …)
-    # and the longest context a graph serves (longer decode steps run eagerly)
+    # and the longest context a graph serves (None: max_model_len; longer decode steps run
+    # eagerly)
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
-    max_seq_len_to_capture: int = 8192
+    max_seq_len_to_capture: int | None = None
     # schedule step N+1 while step N runs (None: on for CUDA, off for CPU, where the device
     # is the host and nothing would overlap); tokens are identical either way
     async_scheduling: bool | None = None
@@ -139,7 +140,7 @@ class EngineConfig:
             raise ValueError(f"kv_role must be producer, consumer or both, got {self.kv_role!r}")
         if self.kv_role is not None and self.kv_store is None:
             raise ValueError("kv_role needs kv_store (redis://… or file:///…)")
-        if self.max_seq_len_to_capture < 1:
+        if self.max_seq_len_to_capture is not None and self.max_seq_len_to_capture < 1:
             raise ValueError("max_seq_len_to_capture must be >= 1")
         if self.cuda_graph_sizes is not None:
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))

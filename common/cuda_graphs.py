@@ -14,10 +14,14 @@ launch), where graphs gain nothing.
 Capture: batch sizes 1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (at most 512), largest first
 into one shared memory pool (smaller graphs reuse the larger one's activations). Every graph
 reads the runner's persistent input buffers at fixed addresses (``InputBuffers.views``) with a
-fixed block-table width (``max_seq_len_to_capture``); a step is padded to the next captured size
-with rows of seq len 0 (output zeros, never sampled). Steps with a longer context, more
-sequences, a prefill chunk, or connector work inside the layers (layer-wise KV load/save) run
-eagerly. ``--enforce-eager`` turns graphs off.
+fixed block-table width: ``max_model_len``'s blocks unless ``max_seq_len_to_capture`` asks for
+less. The width costs the host nothing (the step's table is gathered on the device from the
+block-table rows, ``common/block_table.py``) and the decode kernel's grid does not follow it
+(``kernels/paged_decode_attention.py``: each row cuts its own partitions), so every context
+stays in the graph. A step is padded to the next captured size with rows of seq len 0 (output
+zeros, never sampled). Steps with more sequences, a prefill chunk, drafts to verify, or
+connector work inside the layers (layer-wise KV load/save) run eagerly. ``--enforce-eager``
+turns graphs off.
 
 On a CPU the same class runs the padded, fixed-address forward eagerly (``capture=False``): tests
 use it to check that a padded graph-shaped step gives the tokens of an eager step.
@@ -85,9 +89,10 @@ class DecodeGraphs:
         max_model_len: int,
         capture: bool,
     ) -> DecodeGraphs:
-        """The sizes and context a runner's config asks for (``max_seq_len_to_capture``,
-        ``max_num_seqs``, ``cuda_graph_sizes``)."""
-        max_seq_len = min(config.max_seq_len_to_capture, max_model_len)
+        """The sizes and context a runner's config asks for (``max_seq_len_to_capture``, else
+        ``max_model_len``; ``max_num_seqs``, ``cuda_graph_sizes``)."""
+        asked = config.max_seq_len_to_capture
+        max_seq_len = max_model_len if asked is None else min(asked, max_model_len)
         sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
         return DecodeGraphs(model, inputs, block_size, sizes, max_seq_len, capture)
 

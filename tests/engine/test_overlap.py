@@ -17,7 +17,10 @@ import random
 import pytest
 
 from common import LLM, SamplingParams
+from common.config import RunnerConfig
 from common.cuda_graphs import DecodeGraphs, capture_sizes
+from common.request import Request
+from common.step_outputs import ScheduledRequest
 
 N = 20
 
@@ -43,7 +46,9 @@ def workload(seed: int = 0):
     return prompts, params
 
 
-def generate(graphs: bool = False, **engine_args) -> tuple[list, LLM]:
+def generate(graphs: bool = False, graph_len: int | None = 256, **engine_args) -> tuple[list, LLM]:
+    """``graph_len``: the context graph-shaped steps cover (their tables' width); None:
+    ``max_model_len``, as ``DecodeGraphs.for_config`` chooses by default."""
     llm = LLM(model="tiny-llama", max_num_batched_tokens=64, **engine_args)
     if graphs:
         runner = llm.engine.runner
@@ -52,7 +57,7 @@ def generate(graphs: bool = False, **engine_args) -> tuple[list, LLM]:
             runner.inputs,
             runner.block_size,
             [1, 2, 4, 8, 16],
-            max_seq_len=256,
+            max_seq_len=graph_len or runner.max_model_len,
             capture=False,
         )
         runner.graphs.capture_all(runner.kv_layers)
@@ -123,6 +128,37 @@ def test_graph_shaped_steps_equal_eager(serial):
 def test_graph_shaped_and_overlapped(serial):
     tokens, _ = generate(graphs=True, async_scheduling=True)
     assert tokens == serial
+
+
+def test_graph_shaped_steps_over_max_model_len_wide_tables_equal_eager(serial):
+    tokens, llm = generate(graphs=True, graph_len=None, async_scheduling=True)
+    assert llm.engine.runner.graphs.row_stride == llm.engine.runner.inputs.limits.max_blocks_per_seq
+    assert tokens == serial
+
+
+def _decode_rows(context: int, n: int = 3) -> list[ScheduledRequest]:
+    rows = []
+    for i in range(n):
+        r = Request(str(i), [1] * context, SamplingParams(), eos_token_id=None, block_size=16,
+                    seed=0, max_tokens=4)  # fmt: skip
+        rows.append(ScheduledRequest(r, 1, True, list(range(context // 16 + 1)), context))
+    return rows
+
+
+def test_graphs_cover_max_model_len_unless_asked_for_less():
+    """The capture plan: tables as wide as ``max_model_len`` (a 100k-token decode replays a
+    graph), or ``max_seq_len_to_capture``'s when given (it runs eagerly)."""
+    wide = DecodeGraphs.for_config(None, None, RunnerConfig(max_num_seqs=8), 16, 131072, False)
+    asked = RunnerConfig(max_num_seqs=8, max_seq_len_to_capture=8192)
+    narrow = DecodeGraphs.for_config(None, None, asked, 16, 131072, False)
+    for graphs in (wide, narrow):
+        graphs.capture_all([])  # on CPU: only remembers the cache
+    assert (wide.row_stride, narrow.row_stride) == (8192, 512)
+    assert wide.size_for(_decode_rows(100_000)) == 4
+    assert narrow.size_for(_decode_rows(100_000)) is None
+    assert narrow.size_for(_decode_rows(8000)) == 4
+    assert wide.size_for(_decode_rows(131071)) == 4  # the last position of max_model_len
+    assert wide.size_for(_decode_rows(131072)) is None  # past the tables
 
 
 def test_graph_sizes_and_fallbacks():
