@@ -256,7 +256,7 @@ def test_prepare_at_256_by_4k_costs_under_half_a_millisecond():
     """Thread CPU time of ``prepare`` in a steady decode (each step appends at most one block
     per row), the median over steps: the lowest of 12 medians of 8 steps, since other
     processes on this shared box only ever add time (``benchmarks.prepare``'s "quiet").
-    Rebuilding the tables from the lists cost 2.2-2.5 ms here (median of 64 steps)."""
+    Rebuilding the tables from the lists cost 1.8-2.4 ms here (median of 64 steps)."""
     times = prepare_cpu_us(256, 4096, steps=96)
     assert quiet_median(times) / 1e3 <= PREPARE_CPU_LIMIT_MS, sorted(times)[::8]
 
