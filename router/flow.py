@@ -459,8 +459,10 @@ class RequestFlow:
 
     def _failed_on(self, spec: GenerateSpec, instance: Instance) -> _Fault:
         """``instance`` failed while running ``spec``: counted against the request, which is
-        refused (RouterError) once quarantined."""
-        self.quarantine.failed(spec.fault_key, instance.instance_id)
+        refused (RouterError) once quarantined. A draining node ending its streams is leaving,
+        not failing: nothing is counted."""
+        if not instance.load.draining:
+            self.quarantine.failed(spec.fault_key, instance.instance_id)
         self.quarantine.check(spec.fault_key)
         return _Fault.TRANSPORT
 

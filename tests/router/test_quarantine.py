@@ -67,3 +67,21 @@ def test_quarantine_counts_distinct_instances_and_expires() -> None:
         quarantine.check(key)
     now[0] = 91.0
     quarantine.check(key)
+
+
+def test_failures_minutes_apart_never_add_up() -> None:
+    """A prompt many clients send meets unrelated faults (a crash, a cut, a drain) minutes apart:
+    only failures within the window count towards a quarantine."""
+    now = [0.0]
+    quarantine = Quarantine(max_failures=3, ttl_s=600.0, window_s=60.0, clock=lambda: now[0])
+    key = Quarantine.key(PROMPT, SamplingParams())
+    for t, instance in ((0.0, "decode-a"), (50.0, "decode-b"), (120.0, "prefill-a")):
+        now[0] = t
+        quarantine.failed(key, instance)
+        quarantine.check(key)  # never three within 60 s
+    now[0] = 150.0
+    quarantine.failed(key, "decode-c")  # 120, 150 and now 170: three within the window
+    now[0] = 170.0
+    quarantine.failed(key, "decode-d")
+    with pytest.raises(RouterError):
+        quarantine.check(key)
