@@ -19,9 +19,9 @@ backend executes, so the figures in docs/BENCHMARKS.md are those of the real rou
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -124,16 +124,22 @@ class RowTensors(NamedTuple):
             return torch.tensor(values, dtype=dtype, device=device)
 
         rows = tensor(launch.decode_rows)
-        # A fresh prompt's token j sits at position j of its sequence.
-        fresh = [(i, j) for i in launch.flash_rows for j in range(q_lens[i])]
-        seqs, pos = tensor([i for i, _ in fresh]), tensor([j for _, j in fresh])
+        # A fresh prompt's token j sits at position j of its sequence: per-token indices by
+        # numpy repeats (a prompt's thousands of tokens never pass through a Python loop).
+        flash = np.asarray(launch.flash_rows, dtype=np.int64)
+        lens = np.asarray([q_lens[i] for i in launch.flash_rows], dtype=np.int64)
+        cu = np.concatenate(([0], np.cumsum(lens)))
+        pos_np = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens)
+        first = np.asarray([starts[i] for i in launch.flash_rows], dtype=np.int64)
+        seqs, pos = torch.from_numpy(np.repeat(flash, lens)), torch.from_numpy(pos_np)
+        seqs, pos = seqs.to(device), pos.to(device)
         blocks = meta.block_tables[seqs, pos // block_size].long()
         return RowTensors(
             tensor([starts[i] for i in launch.decode_rows]),
             meta.block_tables.index_select(0, rows),
             meta.seq_lens.index_select(0, rows),
-            tensor([starts[i] + j for i, j in fresh]),
+            torch.from_numpy(np.repeat(first, lens) + pos_np).to(device),
             blocks * block_size + pos % block_size,
-            tensor([0, *accumulate(q_lens[i] for i in launch.flash_rows)], torch.int32),
+            torch.from_numpy(cu.astype(np.int32)).to(device),
             tensor(launch.tiles, torch.int32).view(-1, 2),
         )
