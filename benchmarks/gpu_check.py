@@ -17,6 +17,8 @@ them):
                             shapes: equal within tolerance, and its time relative to flash
   decode step b1 / b64      ms per step and % of the HBM roofline (weights + KV read per step
                             over the device's peak bandwidth)
+  mixed step                a step of batch-64 decodes + a 2k chunk against the decode step
+                            plus the chunk's step alone
   profiler                  kernels per decode step and GPU-busy share (``torch.profiler``)
   sampler share             the sampler (temperature + top-p, batch 64) against the step
   throughput vs HF          the nano-vllm workload, short form (``benchmarks/throughput.py``)
@@ -52,6 +54,7 @@ from benchmarks.gpu_check_measure import (
     env_section,
     environment,
     kv_load,
+    mixed_step,
     prefill_vs_sdpa,
     profiled_step,
     release_shared,
@@ -70,6 +73,7 @@ SECTIONS = [
     Section("eager == graph replay", eager_vs_graph, True, 15),
     Section("prefill kernel vs SDPA", prefill_vs_sdpa, True, 10),
     Section("decode step", decode_steps, False, 20),
+    Section("mixed step", mixed_step, False, 10),
     Section("profiler", profiled_step, False, 10),
     Section("sampler share", sampler_share, False, 5),
     Section("throughput vs HF", throughput_vs_hf, False, 40),
@@ -139,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0, help="the whole run's time budget")
     p.add_argument("--out", default=None, help="write the rows and environment here (JSON)")
     p.add_argument("--only", nargs="+", default=None, help="run only sections named so (prefix)")
+    p.add_argument("--log-dir", default=None, help="write each test run's whole output here")
     return p.parse_args(argv)
 
 

@@ -230,6 +230,62 @@ def decode_steps(ctx: Context) -> list[Row]:
     return rows
 
 
+def mixed_step(ctx: Context) -> list[Row]:
+    """A step of the larger batch's decodes plus one uncached prompt chunk (2k tokens on a GPU)
+    against the pure decode step plus that chunk's step alone: what a chunk costs the decodes
+    it rides with. Every chunk is a fresh random prompt (no prefix-cache hit) of one output
+    token; each timed loop runs ``steps`` consecutive steps."""
+    from common import SamplingParams
+
+    llm, p, dev, steps = shared_llm(ctx), ctx.profile, ctx.device, 8
+    engine, batch = llm.engine, p.batches[-1]
+    chunk = min(
+        2048 if dev.type == "cuda" else 64, engine.config.scheduler.max_num_batched_tokens - batch
+    )
+    g = torch.Generator().manual_seed(1)
+    vocab = engine.vocab_size
+    prompts = iter(torch.randint(3, vocab, (4 * steps, chunk), generator=g).tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    added = [0]
+
+    def chunk_steps() -> None:  # each step takes one fresh prompt whole
+        for _ in range(steps):
+            added[0] += 1
+            engine.add_request(f"mixed{added[0]}", next(prompts), params)
+            engine.step()
+
+    def plain_steps() -> None:
+        for _ in range(steps):
+            engine.step()
+
+    def drain() -> None:
+        while any(r.startswith("mixed") for r in engine.request_ids()):
+            engine.step()
+
+    def per_step(run: Callable[[], None]) -> float:
+        sync(dev)
+        start = time.perf_counter()
+        run()
+        sync(dev)
+        return (time.perf_counter() - start) / steps * 1e3
+
+    with decoding(llm, batch, p.decode_context, 4 * steps + 8) as _:
+        plain_steps()  # warm
+        decode_ms = per_step(plain_steps)
+        mixed_ms = per_step(chunk_steps)
+    drain()
+    chunk_steps()  # warm
+    drain()
+    alone_ms = per_step(chunk_steps)
+    drain()
+    ratio = mixed_ms / (decode_ms + alone_ms)
+    measured = (f"{mixed_ms:.2f} ms vs {decode_ms:.2f} + {alone_ms:.2f} ms: {ratio:.2f}x "
+                f"({batch} decodes x {p.decode_context} + a {chunk}-token chunk)")  # fmt: skip
+    ok = ratio <= 1.15 if dev.type == "cuda" else None
+    return [Row.perf(f"mixed step / (decode + chunk), b{batch}", ok, measured, "<= 1.15x (CUDA)",
+                     mixed_ms=mixed_ms, decode_ms=decode_ms, chunk_ms=alone_ms, ratio=ratio)]  # fmt: skip
+
+
 def profiled_step(ctx: Context) -> list[Row]:
     """Kernels per decode step and the device's busy share at the larger batch (64 on a GPU),
     from ``torch.profiler``. On CPU: top-level aten ops per step and their share of the wall."""

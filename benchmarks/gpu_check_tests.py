@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from benchmarks.gpu_check_measure import close, free_memory
 from benchmarks.gpu_check_types import Context, Row
 
 REPO = Path(__file__).resolve().parents[1]
+PER_TEST_S = 120  # one hung test fails alone rather than eating its section's whole cap
 
 
 # -- the test suites on the device ----------------------------------------------------------------
@@ -24,7 +26,7 @@ def pytest_row(ctx: Context, name: str, args: tuple[str, ...], cap_s: float, **e
     test passed (and at least one ran). ``env``: extra variables (the tests' switches)."""
     junit = ctx.work_dir / f"{name.replace(' ', '-')}.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    command += [f"--junitxml={junit}", *args]
+    command += [f"--junitxml={junit}", f"--timeout={PER_TEST_S}", *args]
     timeout = max(1.0, min(cap_s, ctx.remaining()))
     print(f"    pytest {' '.join(args)} (timeout {timeout:.0f} s)", flush=True)
     start = time.monotonic()
@@ -34,8 +36,10 @@ def pytest_row(ctx: Context, name: str, args: tuple[str, ...], cap_s: float, **e
             timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:
+        keep_log(ctx, name, e.stdout, e.stderr)
         tail = (e.stdout or b"")[-2000:]
         return Row.check(name, False, f"timeout after {timeout:.0f} s", "all pass", tail=str(tail))
+    keep_log(ctx, name, done.stdout, done.stderr)
     counts = junit_counts(junit)
     failed = counts["failures"] + counts["errors"]
     passed = counts["tests"] - failed - counts["skipped"]
@@ -43,6 +47,19 @@ def pytest_row(ctx: Context, name: str, args: tuple[str, ...], cap_s: float, **e
     measured = f"{passed} passed, {failed} failed, {counts['skipped']} skipped ({secs:.0f} s)"
     ok = done.returncode == 0 and passed > 0
     return Row.check(name, ok, measured, "all pass", **counts, tail=done.stdout[-3000:])
+
+
+def keep_log(ctx: Context, name: str, stdout, stderr) -> None:
+    """The run's whole output under ``--log-dir`` (a failure's traceback outgrows the row)."""
+    if not ctx.args.log_dir:
+        return
+    text = "\n".join(
+        o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (stdout, stderr)
+    )
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+    path = Path(ctx.args.log_dir) / f"{slug}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
 
 
 def pytest_env(ctx: Context, extra: dict[str, str]) -> dict[str, str]:

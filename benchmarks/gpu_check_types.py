@@ -75,7 +75,7 @@ FULL = Profile(
     throughput=(64, (100, 1024), (100, 256), 32),
     kv_shape="llama-3.2-1b",
     kv_prompts=((8, 2048),),
-    test_caps_s=(150, 90, 75),
+    test_caps_s=(150, 90, 60),
 )
 QUICK = Profile(
     shape="cpu-kv32k",
