@@ -15,6 +15,8 @@ everything in the cache, so prefix hits and earlier prompt chunks need no specia
 
 from __future__ import annotations
 
+import inspect
+from functools import cache
 from typing import Protocol
 
 import torch
@@ -23,8 +25,11 @@ import torch.nn.functional as F
 from common.attention_metadata import AttentionMetadata, LayerHooks  # noqa: F401 - re-exported
 from common.attention_plan import RowTensors, StepLaunch, step_launch
 
-try:  # FlashAttention-2 varlen (torch >= 2.10)
+try:  # FlashAttention-2 varlen (torch >= 2.11: ``scale`` and ``window_size``; 2.12 adds GQA)
     from torch.nn.attention.varlen import varlen_attn
+
+    if not {"scale", "window_size"} <= inspect.signature(varlen_attn).parameters.keys():
+        varlen_attn = None  # torch 2.10's first form: no scale, so chunks take the Triton kernel
 except ImportError:  # pragma: no cover - older torch: chunks all take the Triton kernel
     varlen_attn = None
 
@@ -239,17 +244,23 @@ class TritonAttentionBackend:
         return meta.step_cache["triton"]
 
 
+@cache
+def _takes_gqa(fn) -> bool:
+    """Whether torch's varlen kernel takes fewer K/V heads than query heads (torch >= 2.12)."""
+    return "enable_gqa" in inspect.signature(fn).parameters
+
+
 def _flash_prefill(out, query, kv_layer, rows: RowTensors, max_len: int, scale) -> None:
     """Causal FlashAttention of prompts with no cached context: their K/V gathered from the
     layer's cache (just written by the rotary op) into packed ``(Tf, Hkv, D)``."""
     _, _, _, num_kv_heads, head_dim = kv_layer.shape
     k = kv_layer[0].reshape(-1, num_kv_heads, head_dim).index_select(0, rows.flash_slots)
     v = kv_layer[1].reshape(-1, num_kv_heads, head_dim).index_select(0, rows.flash_slots)
-    cu = rows.flash_cu_seqlens
-    o = varlen_attn(
-        query.index_select(0, rows.flash_tokens), k, v, cu, cu, max_len, max_len,
-        scale=scale, window_size=(-1, 0), enable_gqa=True,
-    )  # fmt: skip
+    q, cu = query.index_select(0, rows.flash_tokens), rows.flash_cu_seqlens
+    gqa = {"enable_gqa": True} if _takes_gqa(varlen_attn) else {}
+    if not gqa and num_kv_heads != q.shape[1]:  # torch 2.11's kernel wants equal head counts
+        k, v = (t.repeat_interleave(q.shape[1] // num_kv_heads, dim=1) for t in (k, v))
+    o = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), **gqa)
     out.index_copy_(0, rows.flash_tokens, o)
 
 
