@@ -89,27 +89,43 @@ def test_mixed_batch_matches_the_reference(
     assert_close(out, TorchAttentionBackend().attend(q, kv_layer, meta, 0.125))
 
 
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["torch>=2.12", "torch-2.11"])
 def test_fresh_prompts_go_to_flash_attention(
-    paged_context: Callable, monkeypatch: pytest.MonkeyPatch, device: torch.device
+    paged_context: Callable,
+    monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
+    takes_gqa: bool,
 ) -> None:
     """The FlashAttention path's plumbing (K/V gathered by slot, packed rows, GQA, causal), with
-    torch's varlen kernel (CUDA only) replaced by per-sequence SDPA of the same contract."""
+    torch's varlen kernel (CUDA only) replaced by per-sequence SDPA of the same contract. torch
+    2.11's form takes no ``enable_gqa`` and wants as many K/V heads as query heads (what the
+    H200 run of 2026-11-28 found: torch 2.11 refused the keyword)."""
     calls = []
 
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
-        assert window_size == (-1, 0) and enable_gqa and torch.equal(cu_q, cu_k)
+    def attend(q, k, v, cu_q, cu_k, window_size, enable_gqa):
+        assert window_size == (-1, 0) and torch.equal(cu_q, cu_k)
+        assert enable_gqa or k.shape[1] == q.shape[1]
         calls.append(cu_q.tolist())
         out = torch.empty_like(q)
-        bounds = cu_q.tolist()
-        for lo, hi in itertools.pairwise(bounds):
+        for lo, hi in itertools.pairwise(cu_q.tolist()):
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1),
-                is_causal=True, scale=scale, enable_gqa=True,
+                is_causal=True, scale=scale_of[0], enable_gqa=enable_gqa,
             )  # fmt: skip
             out[lo:hi] = o.transpose(0, 1)
         return out
 
-    monkeypatch.setattr(attention, "varlen_attn", varlen)
+    scale_of = [None]
+
+    def varlen_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa=False):
+        scale_of[0] = scale
+        return attend(q, k, v, cu_q, cu_k, window_size, enable_gqa)
+
+    def varlen_211(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale, window_size):
+        scale_of[0] = scale
+        return attend(q, k, v, cu_q, cu_k, window_size, False)
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen_gqa if takes_gqa else varlen_211)
     q, kv_layer, meta = _mixed(paged_context, 8, 2, torch.float32, device)
     out = TritonAttentionBackend(flash=True).attend(q, kv_layer, meta, 0.125)
     assert calls == [[0, 37]]  # the one fresh prompt; the chunks keep the Triton kernel
