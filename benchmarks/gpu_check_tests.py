@@ -93,7 +93,7 @@ def hf_graphs_on(ctx: Context) -> list[Row]:
 
 
 def hf_graphs_off(ctx: Context) -> list[Row]:
-    cap, tests = ctx.profile.test_caps_s[2], ctx.profile.engine_tests
+    cap, tests = ctx.profile.test_caps_s[2], ctx.profile.eager_tests
     name = "HF equivalence, graphs+overlap off"
     return [pytest_row(ctx, name, tests, cap, PDSERVE_TEST_EAGER="1")]
 

@@ -44,7 +44,8 @@ class Profile:
     layers: int | None  # override of the shape's depth
     dtype: str
     kernel_tests: tuple[str, ...]
-    engine_tests: tuple[str, ...]
+    engine_tests: tuple[str, ...]  # with graphs and overlap (the CUDA defaults)
+    eager_tests: tuple[str, ...]  # the same without (on a GPU, a subset: each engine takes ~12 s)
     eager_graph: tuple[int, int]  # prompts, tokens each
     prefill: tuple[int, int, int, int, int]  # sequences, tokens each, heads, kv heads, head dim
     batches: tuple[int, int]  # decode batch sizes timed; the larger one is profiled
@@ -67,6 +68,7 @@ FULL = Profile(
         "--ignore=tests/kernels/test_fused_ops_cpu.py",
     ),
     engine_tests=("tests/engine/test_hf_equivalence.py", "tests/engine/test_overlap.py"),
+    eager_tests=("tests/engine/test_hf_equivalence.py", "-k", "default or chunked"),
     eager_graph=(32, 48),
     prefill=(4, 2048, 32, 8, 64),
     batches=(1, 64),
@@ -75,7 +77,7 @@ FULL = Profile(
     throughput=(64, (100, 1024), (100, 256), 32),
     kv_shape="llama-3.2-1b",
     kv_prompts=((8, 2048),),
-    test_caps_s=(150, 90, 60),
+    test_caps_s=(150, 150, 45),
 )
 QUICK = Profile(
     shape="cpu-kv32k",
@@ -83,6 +85,7 @@ QUICK = Profile(
     dtype="float32",
     kernel_tests=("tests/kernels/test_paged_decode_attention.py", "-k", "bs16-d64 or padded"),
     engine_tests=("tests/engine/test_hf_equivalence.py", "-k", "tiny-llama and default"),
+    eager_tests=("tests/engine/test_hf_equivalence.py", "-k", "tiny-llama and default"),
     eager_graph=(4, 8),
     prefill=(1, 32, 2, 1, 16),
     batches=(1, 8),

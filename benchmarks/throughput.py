@@ -103,8 +103,9 @@ def run_hf(model_dir: str, work: Workload, batch_size: int, dtype, device, tempe
     config = AutoConfig.from_pretrained(model_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    except OSError:  # a dummy shape: config only, random weights
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except OSError:  # a dummy shape: config only, random weights, drawn on the device (a 1B
+        with torch.device(device):  # model's init on the host took most of a minute on the H200)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = model.to(device).eval()
     _hf_batch(model, work.prompts[:2], 4, device, temperature)  # warm-up
     start = time.perf_counter()
