@@ -118,28 +118,44 @@ class RowTensors(NamedTuple):
 
     @staticmethod
     def build(launch: StepLaunch, meta: AttentionMetadata, block_size: int) -> RowTensors:
-        device, starts, q_lens = meta.seq_lens.device, meta.query_starts_cpu, meta.query_lens
-
-        def tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        rows = tensor(launch.decode_rows)
+        starts, q_lens = meta.query_starts_cpu, meta.query_lens
         # A fresh prompt's token j sits at position j of its sequence: per-token indices by
         # numpy repeats (a prompt's thousands of tokens never pass through a Python loop).
-        flash = np.asarray(launch.flash_rows, dtype=np.int64)
         lens = np.asarray([q_lens[i] for i in launch.flash_rows], dtype=np.int64)
         cu = np.concatenate(([0], np.cumsum(lens)))
-        pos_np = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens)
+        pos = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens)
         first = np.asarray([starts[i] for i in launch.flash_rows], dtype=np.int64)
-        seqs, pos = torch.from_numpy(np.repeat(flash, lens)), torch.from_numpy(pos_np)
-        seqs, pos = seqs.to(device), pos.to(device)
+        rows, tokens, seqs, pos, flash_tokens, cu, tiles = upload(
+            [
+                np.asarray(launch.decode_rows, dtype=np.int64),
+                np.asarray([starts[i] for i in launch.decode_rows], dtype=np.int64),
+                np.repeat(np.asarray(launch.flash_rows, dtype=np.int64), lens),
+                pos,
+                np.repeat(first, lens) + pos,
+                cu,
+                np.asarray(launch.tiles, dtype=np.int64),
+            ],
+            meta.seq_lens.device,
+        )
         blocks = meta.block_tables[seqs, pos // block_size].long()
         return RowTensors(
-            tensor([starts[i] for i in launch.decode_rows]),
+            tokens,
             meta.block_tables.index_select(0, rows),
             meta.seq_lens.index_select(0, rows),
-            torch.from_numpy(np.repeat(first, lens) + pos_np).to(device),
+            flash_tokens,
             blocks * block_size + pos % block_size,
-            torch.from_numpy(cu.astype(np.int32)).to(device),
-            tensor(launch.tiles, torch.int32).view(-1, 2),
+            cu.to(torch.int32),
+            tiles.to(torch.int32).view(-1, 2),
         )
+
+
+def upload(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 arrays on ``device`` through one copy: from pinned memory and asynchronous on
+    CUDA, so building a step's rows never waits for the GPU (a pageable or blocking copy would
+    hold the host until the steps already queued had run, and the overlap with them would be
+    lost). Slices of one buffer come back, in order."""
+    host = torch.from_numpy(np.concatenate(parts))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return list(flat.split([len(p) for p in parts]))

@@ -7,12 +7,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 import common.attention as attention
 from common.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend
-from common.attention_plan import launch_stats, step_launch
+from common.attention_plan import RowTensors, launch_stats, step_launch, upload
 from kernels.paged_decode_attention import decode_launch_stats, decode_plan
 
 SMS = 132
@@ -131,3 +132,22 @@ def test_fresh_prompts_go_to_flash_attention(
     assert calls == [[0, 37]]  # the one fresh prompt; the chunks keep the Triton kernel
     expected = TorchAttentionBackend().attend(q, kv_layer, meta, 0.125)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_mixed_steps_row_indices_reach_the_device_in_one_copy(
+    paged_context: Callable, device: torch.device
+) -> None:
+    """Every index list of a mixed step leaves the host in one buffer (pinned and asynchronous
+    on CUDA). Reading the code after the H200 run of 2026-11-28 (mixed step 1.74x) found them
+    built with seven blocking copies, each holding the host until the queued GPU work had run."""
+    _, _, meta = _mixed(paged_context, 8, 2, torch.float32, device)
+    launch = step_launch(meta, 8, 2, True, 132)
+    rows = RowTensors.build(launch, meta, 16)
+    uploaded = (rows.decode_tokens, rows.flash_tokens)
+    assert len({t.untyped_storage().data_ptr() for t in uploaded}) == 1
+    assert rows.decode_tokens.tolist() == [meta.query_starts_cpu[i] for i in launch.decode_rows]
+    assert rows.flash_cu_seqlens.dtype == rows.tiles.dtype == torch.int32
+    assert rows.flash_cu_seqlens.tolist() == [0, 37]
+    assert rows.tiles.shape == (len(launch.tiles) // 2, 2)
+    parts = upload([np.arange(3), np.zeros(0, np.int64), np.array([7, 8])], device)
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [], [7, 8]]
