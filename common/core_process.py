@@ -20,6 +20,7 @@ and the loop goes on; an exception no request can be blamed for is fatal: the pr
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -49,6 +50,7 @@ from common.core_messages import (
     malformed_request_id,
 )
 from common.engine import EngineCore, QueueFullError
+from common.host_memory import freeze_startup_objects
 from common.request import RequestStatus
 from common.step_outputs import EngineCoreOutput
 
@@ -265,6 +267,7 @@ def run_engine_core(
     engine: EngineCore | None = None
     try:
         engine = EngineCore(engine_config_from_dict(config), connector_factory)
+        freeze_startup_objects()  # this process runs this engine for its life
         output_socket.send(encode(ready_message(engine)))
         EngineCoreProc(engine, input_socket, output_socket).run()
     except BaseException:
@@ -274,6 +277,7 @@ def run_engine_core(
     finally:
         if engine is not None:
             engine.close()
+        gc.unfreeze()  # the exit's collection finds the startup objects again
         input_socket.close(linger=0)
         output_socket.close(linger=5000)  # let the last outputs reach the frontend
         context.term()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import math
 
@@ -92,3 +93,20 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         if madvise(tensor.data_ptr(), nbytes, _MADV_HUGEPAGE) != 0:
             logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
     return tensor.zero_()
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive now out of the cyclic garbage collector's reach, for good.
+
+    A serving process builds its long-lived objects once (the model's modules and parameters,
+    the tokenizer, the block pool's hundreds of thousands of blocks) and then allocates small
+    ones every step; each full collection would walk the whole heap again mid-serving.
+    ``gc.freeze`` puts what exists into a permanent generation that collections skip
+    (reference counting still frees it). Call it once, after the engine is built, in a process
+    that runs one engine for its life: a batch-256 decode step's host time went from 4.2–4.4 to
+    3.5–4.1 ms (``python -m benchmarks.host_step --batches 64 256 [--freeze]``, three runs each,
+    alternated). Not for a library user's process: what a closed engine leaves in reference
+    cycles would stay forever. :func:`gc.unfreeze` at the end lets the exit collect it.
+    """
+    gc.collect()
+    gc.freeze()

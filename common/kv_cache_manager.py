@@ -97,7 +97,18 @@ class KVCacheManager:
         ``num_external_tokens`` tokens whose KV a connector will load. Returns the ids of the
         newly allocated blocks, or ``None`` (and changes nothing) when too few blocks are free.
         """
-        held = self.req_to_blocks.setdefault(request.request_id, [])
+        held = self.req_to_blocks.get(request.request_id)
+        # a running request's step inside the blocks it holds (most decode steps): nothing to
+        # take, count or touch
+        if (
+            held is not None
+            and computed is NO_HIT
+            and not num_external_tokens
+            and request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size
+        ):
+            return []
+        if held is None:
+            held = self.req_to_blocks[request.request_id] = []
         num_total = (
             request.num_computed_tokens + computed.num_tokens + num_external_tokens + num_new_tokens
         )
@@ -122,11 +133,13 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks covering its first ``num_tokens`` tokens."""
+        start = self.num_cached.get(request.request_id, 0)
+        if num_tokens // self.block_size <= start:  # no block filled since the last call
+            return
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks or not self.pool.enable_caching:
             return
         num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        start = self.num_cached.get(request.request_id, 0)
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached[request.request_id] = max(start, num_full)

@@ -37,6 +37,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     },
+    # the smallest Llama: a step's model work is microseconds, so a step's wall is the host's
+    # own work (scheduling, inputs, sampling launch, outputs): benchmarks/host_step.py
+    "host-overhead": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "vocab_size": 1024,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    },
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
