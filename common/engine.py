@@ -19,15 +19,14 @@ what is scheduled ahead and what waits).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.beam_search import eos_token_ids
 from common.config import EngineConfig
 from common.kv_cache_manager import KVCacheManager, cdiv
 from common.kv_interface import KVHandle
@@ -91,7 +90,7 @@ class EngineCore:
             self.connector[0] if self.connector else None,
         )
         self.vocab_size = self.runner.vocab_size
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
         self._seeds = random.Random(config.model.seed)
         overlap = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if overlap is None else overlap
@@ -175,17 +174,6 @@ class EngineCore:
         sched.set_wakeup(self._wakeup.set)
         worker.set_wakeup(self._wakeup.set)
         return sched, worker
-
-    def _eos_token_ids(self) -> list[int]:
-        ids: Any = None
-        gen = Path(self.model_dir) / "generation_config.json"
-        if gen.is_file():
-            ids = json.loads(gen.read_text()).get("eos_token_id")
-        if ids is None:
-            ids = self.hf_config.get("eos_token_id")
-        if ids is None:
-            return []
-        return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(

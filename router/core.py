@@ -30,10 +30,11 @@ from typing import ParamSpec, TypeVar
 
 from pdserve_proto.convert import wire_rounded
 
+from common.beam_search import BeamSearchParams
 from common.sampling_params import SamplingParams
 from router.errors import RouterError, invalid_request, no_instance, overloaded
 from router.flow import GenerateSpec, RequestFlow, Usage
-from router.limits import Limits, check_params, check_prompt_length
+from router.limits import Limits, check_beam_width, check_params, check_prompt_length
 from router.metrics import RouterMetrics
 from router.openai_models import param_of
 from router.prompts import PromptProcessor
@@ -124,6 +125,7 @@ class RouterCore:
         *,
         priority: int = 0,
         request_id: str | None = None,
+        beam: tuple[int, float] | None = None,
     ) -> GenerateSpec:
         """A runnable spec; raises RouterError (400) when the prompt cannot be served, 503
         while no node has registered.
@@ -132,6 +134,8 @@ class RouterCore:
         spec's float parameters are rounded as the wire rounds them (``wire_rounded``).
         """
         check_params(params, self.limits)  # the one table: gRPC's requests meet it here
+        if beam is not None:
+            check_beam_width(beam[0], self.limits)
         check_prompt_length(len(prompt_token_ids), self.limits)
         self.prompts.check_token_ids(prompt_token_ids)
         self.prompts.check_token_ids(params.stop_token_ids, param="stop_token_ids")
@@ -147,11 +151,15 @@ class RouterCore:
                 f"min_tokens={params.min_tokens} exceeds max_tokens", "min_tokens"
             )
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(_SEED_BITS)
+        search = None
+        if beam is not None:  # (width, length_penalty): params.n of its hypotheses come back
+            search = BeamSearchParams(beam[0], max_tokens, beam[1], params.ignore_eos)
         return GenerateSpec(
             request_id=request_id or f"cmpl-{uuid.uuid4().hex}",
             prompt_token_ids=prompt_token_ids,
             params=replace(params, max_tokens=max_tokens, seed=seed),
             priority=priority,
+            beam=search,
         )
 
     async def run(

@@ -45,7 +45,7 @@ import enum
 import functools
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -53,9 +53,11 @@ import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto.convert import finish_reason_from_proto, prompt_logprobs_from_proto
 
+from common.beam_search import BeamSearchParams
 from common.block_hash import hash_blocks
 from common.sampling_params import SamplingParams
 from router.balancer import DecodePolicy, PrefillPolicy, PromptInfo
+from router.beams import beam_search
 from router.deadlines import DecodeItems, NodeLost, until_lost
 from router.errors import (
     RouterError,
@@ -120,6 +122,7 @@ class GenerateSpec:
     params: SamplingParams
     priority: int = 0
     prefill_only: bool = False  # max_tokens=0: the prompt's logprobs, no output token
+    beam: BeamSearchParams | None = None  # a beam search (router/beams.py): params.n returned
     nonce: str = field(default_factory=lambda: secrets.token_hex(4))
 
     def upstream_id(self, index: int, step: str) -> str:
@@ -191,6 +194,7 @@ class RequestFlow:
         decode_policy: DecodePolicy,
         config: FlowConfig,
         on_fallback: Callable[[str], None] = lambda reason: None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.registry = registry
         self.clients = clients
@@ -199,6 +203,7 @@ class RequestFlow:
         self.decode_policy = decode_policy
         self.config = config
         self.on_fallback = on_fallback  # called with the reason of each prefill fallback
+        self.eos_token_ids = list(eos_token_ids)  # where a beam ends
         self.quarantine = Quarantine(config.quarantine_after, config.quarantine_s)
         self._aborts: set[asyncio.Task[None]] = set()
 
@@ -216,6 +221,11 @@ class RequestFlow:
         """
         usage.prompt_tokens = len(spec.prompt_token_ids)
         self.quarantine.check(spec.fault_key)
+        if spec.beam is not None:
+            async with aclosing(beam_search(self, spec, usage)) as hypotheses:
+                async for delta in hypotheses:
+                    yield delta
+            return
         prompt = self.prompt_info(spec.prompt_token_ids)
         samples = [self._sample(spec, i, prompt, usage) for i in range(spec.params.n)]
         # aclosing: closing this generator must close the inner ones at once (cancel upstream)

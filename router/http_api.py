@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine
@@ -62,6 +63,8 @@ from router.openai_models import (
 from router.registry import Registry, Role
 from router.sample import SampleDelta
 from router.security import GuardMiddleware, HttpGuard, drain, json_too_deep
+
+logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
 _CANCEL_RETRY_S = 0.1
@@ -298,7 +301,12 @@ def _prepare(
     max_tokens = requested_max_tokens(body)
     prefill_only = max_tokens == 0
     params = to_sampling_params(body, 1 if prefill_only else max_tokens)
-    spec = core.prepare(prompt_ids, params, priority=body.priority, request_id=request_id)
+    beam = None
+    if isinstance(body, CompletionRequest) and body.use_beam_search:
+        beam = (body.beam_width, body.length_penalty)
+    spec = core.prepare(
+        prompt_ids, params, priority=body.priority, request_id=request_id, beam=beam
+    )
     return dataclasses.replace(spec, prefill_only=prefill_only) if prefill_only else spec
 
 
@@ -465,7 +473,8 @@ def _add_error_handlers(app: FastAPI, core: RouterCore) -> None:
             kind = "server_error"
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         body = error_body(f"internal error: {type(exc).__name__}", "server_error")
         return JSONResponse(body, status_code=500)
 

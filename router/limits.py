@@ -98,6 +98,12 @@ def check_params(params: SamplingParams, limits: Limits) -> None:
             )
 
 
+def check_beam_width(width: int, limits: Limits) -> None:
+    """A beam search's width (``best_of``) in ``[1, max_n]``: each beam is a request a round."""
+    if not 1 <= width <= limits.max_n:
+        raise invalid_request(f"best_of must be in [1, {limits.max_n}], got {width}", "best_of")
+
+
 def check_prompt_length(num_tokens: int, limits: Limits) -> None:
     """A prompt of ``num_tokens`` within ``max_prompt_tokens``; 400 otherwise."""
     cap = limits.max_prompt_tokens

@@ -22,7 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from common.sampling_params import SamplingParams, StructuredOutputsParams
 from router.errors import RouterError, invalid_request
-from router.limits import Limits, check_bounds
+from router.limits import Limits, check_beam_width, check_bounds
 
 
 def _valid_unicode(text: str) -> str:
@@ -174,19 +174,57 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's beam search: ``best_of`` beams (``n`` when unset), the ``n`` best returned
+    use_beam_search: bool = False
+    length_penalty: FiniteFloat = 1.0
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.suffix:
             raise invalid_request("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise invalid_request("best_of must equal n (no server-side ranking)", "best_of")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.best_of is not None and self.best_of != self.n:
+            raise invalid_request(
+                "best_of must equal n (no server-side ranking without use_beam_search)", "best_of"
+            )
+        elif self.length_penalty != 1.0:
+            raise invalid_request("length_penalty needs use_beam_search: true", "length_penalty")
         for i, prompt in enumerate(self.prompts()):
             if not prompt:
                 where = "prompt" if not self.batched else f"prompt.{i}"
                 raise invalid_request(f"{where} is empty", param="prompt")
         if self.max_tokens == 0 and not self.echo:
             raise invalid_request("max_tokens=0 needs echo: true (prompt scoring)", "max_tokens")
+
+    def _check_beam_search(self) -> None:
+        """What a beam search refuses: the width below ``n``, and every field that would change
+        which tokens it ranks or how they come back (the sampling knobs temperature, top_p,
+        top_k, min_p and seed do not apply: beams rank by log-probability)."""
+        if self.beam_width < self.n:
+            raise invalid_request(f"best_of ({self.beam_width}) must be >= n ({self.n})", "best_of")
+        refused = {
+            "stream": self.stream,
+            "echo": self.echo,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "stop": bool(self.stop),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "min_tokens": self.min_tokens > 0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "structured_outputs": bool(_structured_specs(self)),
+        }
+        for name, asked in refused.items():
+            if asked:
+                raise invalid_request(f"{name} is not supported with use_beam_search", name)
+        if self.max_tokens == 0:
+            raise invalid_request("use_beam_search needs max_tokens >= 1", "max_tokens")
+
+    @property
+    def beam_width(self) -> int:
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def batched(self) -> bool:
@@ -272,9 +310,9 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "metadata": (),
     "service_tier": ("auto", "default"),
     # vLLM extras
-    "use_beam_search": (False,),
-    "length_penalty": (1.0,),
-    "best_of": (1,),  # chat (completions: best_of == n)
+    "use_beam_search": (False,),  # chat (completions: router/beams.py)
+    "length_penalty": (1.0,),  # chat
+    "best_of": (1,),  # chat (completions: best_of == n, or the beam width)
     "allowed_token_ids": (),
     "bad_words": ([],),
     "truncate_prompt_tokens": (),
@@ -438,6 +476,8 @@ def check_caps(request: _SamplingRequest, limits: Limits) -> None:
     }
     chat = isinstance(request, ChatCompletionRequest)
     check_bounds(values, limits, {"logprobs": "top_logprobs"} if chat else None)
+    if isinstance(request, CompletionRequest) and request.use_beam_search:
+        check_beam_width(request.beam_width, limits)
 
 
 def requested_max_tokens(request: _SamplingRequest) -> int | None:

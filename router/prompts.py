@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.beam_search import eos_token_ids
 from router.errors import invalid_request
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class PromptProcessor:
         # the nodes' max_model_len, which the registry knows.
         self.model_max_len = int(config.get("max_position_embeddings", _DEFAULT_MAX_MODEL_LEN))
         self.vocab_size = int(config.get("vocab_size") or len(self.tokenizer))
+        self.eos_token_ids = eos_token_ids(model_dir, config)  # a beam ends on one of them
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a plain-text prompt (with the model's BOS, like the offline LLM)."""

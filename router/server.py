@@ -139,6 +139,7 @@ def build_router(config: RouterConfig) -> Router:
             progress_timeout_s=config.progress_timeout_s,
         ),
         on_fallback=metrics.prefill_fallback,
+        eos_token_ids=prompts.eos_token_ids,
     )
     limits = Limits(
         max_n=config.max_n,

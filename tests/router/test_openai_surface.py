@@ -241,7 +241,10 @@ def test_chat_template_kwargs_reach_the_template() -> None:
 
 
 REFUSED: list[tuple[str, dict[str, Any]]] = [
-    ("/v1/completions", {"use_beam_search": True}),
+    (
+        "/v1/chat/completions",
+        {"use_beam_search": True},
+    ),  # completions: tests/router/test_flow_beams.py
     ("/v1/completions", {"allowed_token_ids": [1, 2]}),
     ("/v1/completions", {"truncate_prompt_tokens": 3}),
     ("/v1/completions", {"add_special_tokens": False}),
