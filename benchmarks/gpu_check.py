@@ -22,6 +22,8 @@ them):
   profiler                  kernels per decode step and GPU-busy share (``torch.profiler``)
   sampler share             the sampler (temperature + top-p, batch 64) against the step
   throughput vs HF          the nano-vllm workload, short form (``benchmarks/throughput.py``)
+  host step                 the host's own work per decode step (benchmarks/host_step.py)
+                            against the device's step at the same batch
   KV load vs recompute      a prompt's KV through the connector against its prefill
                             (``benchmarks/kv_connector.py``)
 
@@ -53,6 +55,7 @@ from benchmarks.gpu_check_measure import (
     decode_steps,
     env_section,
     environment,
+    host_step,
     kv_load,
     mixed_step,
     prefill_vs_sdpa,
@@ -77,6 +80,7 @@ SECTIONS = [
     Section("profiler", profiled_step, False, 10),
     Section("sampler share", sampler_share, False, 5),
     Section("throughput vs HF", throughput_vs_hf, False, 40),
+    Section("host step", host_step, False, 10),  # after the shared engine's last use
     Section("KV load vs recompute", kv_load, False, 30),
 ]
 

@@ -287,6 +287,23 @@ def mixed_step(ctx: Context) -> list[Row]:
                      mixed_ms=mixed_ms, decode_ms=decode_ms, chunk_ms=alone_ms, ratio=ratio)]  # fmt: skip
 
 
+def host_step(ctx: Context) -> list[Row]:
+    """The host's own work per decode step on this machine's CPU (``benchmarks/host_step.py``:
+    a one-layer, hidden-64 model, so a step's wall is scheduling, inputs, launch and outputs),
+    against the device's decode step at the same batch: above 1, the host paces the step."""
+    from benchmarks.host_step import measure
+
+    p = ctx.profile
+    release_shared(ctx)  # the shared engine's memory back before a second engine starts
+    rows = []
+    for r in measure(list(p.batches), 16, 30, 2, freeze=False):
+        step_ms = ctx.shared.get(f"step_ms_b{r['batch']}")
+        ratio = f", {r['step_ms'] / step_ms:.2f}x the device's step" if step_ms else ""
+        rows.append(Row.perf(f"host work per decode step, b{r['batch']}", None,
+                             f"{r['step_ms']:.2f} ms{ratio}", "info", **r))  # fmt: skip
+    return rows
+
+
 def profiled_step(ctx: Context) -> list[Row]:
     """Kernels per decode step and the device's busy share at the larger batch (64 on a GPU),
     from ``torch.profiler``. On CPU: top-level aten ops per step and their share of the wall."""
