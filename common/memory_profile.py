@@ -4,7 +4,9 @@ The budget is ``gpu_memory_utilization`` of the device (and never more than is f
 what this process already holds (the weights), minus the peak of the largest step the engine can
 run (a full ``max_num_batched_tokens`` prefill, and a ``max_num_seqs`` decode with every row
 sampled through top-p, the sampler's worst case), minus the decode graphs' private pool (measured
-as the activations of the largest captured decode batch, which the pool keeps), minus a margin.
+as the activations of the largest captured decode batch, which the pool keeps), minus what the
+sampler keeps between steps (the penalty counts of ``max_num_seqs`` rows, made only when a
+penalised request comes, so no profiled step shows them), minus a margin.
 Both peaks are measured by running those steps once on a scratch cache before the real one
 exists, so nothing is guessed from the model's shape.
 """
@@ -46,6 +48,7 @@ class StepLimits:
     max_num_seqs: int
     max_model_len: int
     graph_batch: int | None  # the largest captured decode batch; None: no decode graphs
+    sampler_state_bytes: int = 0  # kept between steps: the penalty counts at their largest
 
 
 class ProfileStep(Protocol):
@@ -81,15 +84,16 @@ def cuda_kv_budget(
     if limits.graph_batch is not None:
         n = limits.graph_batch
         graphs = _profile(device, spec, run_step, [1] * n, [1] * n, sample=False)
-    step = max(prefill, decode)
-    budget = int(min(total * utilization - held, free) - step - graphs - _MARGIN)
+    step, kept = max(prefill, decode), limits.sampler_state_bytes
+    budget = int(min(total * utilization - held, free) - step - graphs - kept - _MARGIN)
     logger.info(
         "GPU memory: %.1f GiB total, %.1f GiB held (weights), step peak %.2f GiB, decode graphs"
-        " %.2f GiB -> %.1f GiB for the KV cache",
+        " %.2f GiB, sampler state %.2f GiB -> %.1f GiB for the KV cache",
         total / 2**30,
         held / 2**30,
         step / 2**30,
         graphs / 2**30,
+        kept / 2**30,
         budget / 2**30,
     )
     if budget <= 0:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from common import penalty_counts
 from common.attention import LayerHooks, get_attention_backend
 from common.config import CacheConfig, RunnerConfig
 from common.cuda_graphs import DecodeGraphs
@@ -258,7 +259,10 @@ class ModelRunner:
         """The profiled GPU budget: the largest steps this runner can run, run once."""
         c, graphs = self.config, self.graphs
         batch = graphs.max_size if graphs is not None else None
-        limits = StepLimits(c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, batch)
+        kept = penalty_counts.reserved_bytes(c.max_num_seqs, self.vocab_size)
+        limits = StepLimits(
+            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, batch, kept
+        )
         return cuda_kv_budget(self.device, self.spec, limits, self._profile_step, utilization)
 
     def _profile_step(

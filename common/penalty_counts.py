@@ -53,6 +53,18 @@ class _Counted(NamedTuple):
 Upload = Callable[[list[int], torch.dtype, torch.device], torch.Tensor]
 
 
+def reserved_bytes(rows: int, vocab: int) -> int:
+    """The most device memory the counts can take when a step samples ``rows`` rows with
+    penalties: the slots tensor at its largest (doubled from 8 up to ``rows``) and, while it
+    doubles the last time, the half it copies from. The GPU memory profile sets this aside
+    before it sizes the KV cache (``common/memory_profile.py``), so the first penalised
+    requests of a full engine cannot run it out of memory."""
+    slots = 8
+    while slots < rows:
+        slots *= 2
+    return (slots + slots // 2) * vocab * 2  # int16
+
+
 def fits(rows: list[PenaltyRow]) -> bool:
     """Whether every row's output counts fit in a slot's 15 bits."""
     return all(len(r.output_token_ids) < MAX_OUTPUTS for r in rows)

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 import common.memory_profile as memory_profile
 import common.model_runner as model_runner
-from common import LLM, SamplingParams
+from common import LLM, SamplingParams, penalty_counts
 from common.config import CacheConfig, EngineConfig, RunnerConfig
 from common.kv_interface import KVCacheSpec
 from common.memory_profile import KVReserve, StepLimits, cuda_kv_budget
@@ -172,10 +172,26 @@ def _runner_for(spec: KVCacheSpec, cache: CacheConfig, reserve: KVReserve | None
     runner.config = _Runner.config
     runner.max_model_len = _Runner.max_model_len
     runner.graphs = None
+    runner.vocab_size = LLAMA_3_VOCAB
     return runner
 
 
 LLAMA_3_8B_KV = KVCacheSpec(32, 8, 128, 16, torch.bfloat16)  # 2 MiB per 16-token block
+LLAMA_3_VOCAB = 128_256
+
+
+def test_the_penalty_counts_are_set_aside_before_the_kv_cache(monkeypatch):
+    """A full engine's first penalised requests make the sampler's counts (``max_num_seqs``
+    slots of the vocabulary, int16): no profiled step shows them, so the budget sets them
+    aside. Before, they came out of the memory the KV cache had already taken."""
+    _FakeCuda(monkeypatch)
+    monkeypatch.setattr(memory_profile, "_profile", lambda *a, **k: STEP_PEAK)
+    budget = _budget(LLAMA_3_8B_KV)  # StepLimits without the counts
+    runner = _runner_for(LLAMA_3_8B_KV, CacheConfig(), None)
+    blocks = runner._num_blocks(CacheConfig())
+    kept = penalty_counts.reserved_bytes(256, LLAMA_3_VOCAB)
+    assert kept == (256 + 128) * LLAMA_3_VOCAB * 2  # ~94 MiB: the doubling to 256 slots
+    assert blocks == (budget - kept) // LLAMA_3_8B_KV.bytes_per_block
 
 
 def test_draft_model_is_reserved_before_the_target_sizes_its_cache(monkeypatch):
@@ -192,7 +208,8 @@ def test_draft_model_is_reserved_before_the_target_sizes_its_cache(monkeypatch):
     reserve = draft_footprint(target.speculative_config, target)  # type: ignore[arg-type]
     assert 2.2 * GiB < reserve.weight_bytes < 2.4 * GiB  # 1.24 B parameters in bf16
     assert reserve.bytes_per_block == 16 * 8 * 64 * 2 * 2 * 16  # 16 layers of 8 x 64 heads
-    budget = _budget(LLAMA_3_8B_KV)
+    kept = penalty_counts.reserved_bytes(256, LLAMA_3_VOCAB)  # the sampler's, set aside too
+    budget = _budget(LLAMA_3_8B_KV) - kept
     alone = _runner_for(LLAMA_3_8B_KV, CacheConfig(), None)._num_blocks(CacheConfig())
     shared = _runner_for(LLAMA_3_8B_KV, CacheConfig(), reserve)._num_blocks(CacheConfig())
     assert alone == budget // LLAMA_3_8B_KV.bytes_per_block

@@ -32,6 +32,24 @@ def test_a_slot_is_built_once_then_fed_new_tokens() -> None:
     counts.check_integrity()
 
 
+@pytest.mark.parametrize("rows", [1, 8, 9, 100, 256])
+def test_the_counts_never_outgrow_what_the_memory_profile_sets_aside(rows: int) -> None:
+    """``rows`` penalised requests in one step, the worst case, reached one request at a time
+    (every doubling happens): the slots tensor plus the old one it copies from while it doubles
+    stay within ``reserved_bytes``, which that last doubling reaches exactly."""
+    vocab = 10
+    counts = PenaltyCounts(vocab, torch.device("cpu"), upload)
+    peak, before = 0, 0
+    for n in range(1, rows + 1):
+        counts.assign([row(f"r{i}", [1], [2]) for i in range(n)])
+        now = counts.counts.numel() * 2
+        peak = max(peak, now + (before if now > before else 0))
+        before = now
+    assert peak <= penalty_module.reserved_bytes(rows, vocab)
+    if rows > 8:
+        assert peak == penalty_module.reserved_bytes(rows, vocab)
+
+
 def test_slots_of_absent_requests_are_reused_least_recent_first() -> None:
     counts = PenaltyCounts(10, torch.device("cpu"), upload)
     counts.assign([row(r, [1], []) for r in "abcdefgh"])  # the first 8 slots
