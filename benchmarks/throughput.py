@@ -6,6 +6,9 @@ until its longest output); both are credited only with the tokens the requests a
 
     python -m benchmarks.throughput                      # CPU default: 64 requests on tiny-llama
     python -m benchmarks.throughput --gpu-workload --shape llama-3.2-1b --dtype bfloat16
+    python -m benchmarks.throughput --gpu-workload --shape qwen3-30b-a3b --shape-layers 2 \
+        --dtype bfloat16 --enforce-eager        # the MoE shape (eager on CUDA until issue 30's
+                                                # fused kernel: its experts read counts on the host)
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ def main() -> None:
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads (both engines)")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--shape-layers", type=int, default=None, help="override a shape's depth")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (MoE on CUDA)")
     p.add_argument("--roofline-batch", type=int, default=0, help="also time pure decode steps")
     p.add_argument("--roofline-context", type=int, default=512)
     args = p.parse_args()
@@ -188,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         load_format=load_format,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cpu_threads=args.cpu_threads,
+        enforce_eager=args.enforce_eager,
     )
     work = Workload.random(
         args.num_requests, args.input_len, args.output_len, llm.engine.vocab_size, args.seed

@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from benchmarks.throughput import run
 
 
@@ -26,6 +28,7 @@ def args(**kw) -> argparse.Namespace:
         roofline_context=32,
         gpu_workload=False,
         json=None,
+        enforce_eager=False,
     )
     return argparse.Namespace(**(base | kw))
 
@@ -78,3 +81,21 @@ def test_every_shape_loads_in_transformers():
         config = AutoConfig.from_pretrained(write_dummy_shape(name, num_layers=1))
         assert config.architectures == shape["architectures"]
         assert config.hidden_size == shape["hidden_size"]
+
+
+@pytest.mark.slow
+def test_moe_shape_runs_against_hf():
+    """The MoE benchmark shape (Qwen3-30B-A3B's, one layer: 1.2 B parameters in bf16) end to
+    end, HF's Qwen3-MoE on the same written config included."""
+    report = run(
+        args(
+            shape="qwen3-30b-a3b",
+            shape_layers=1,
+            num_requests=2,
+            input_len=(4, 8),
+            output_len=(2, 3),
+            hf_batch_size=2,
+            roofline_batch=0,
+        )
+    )
+    assert report["pdserve"]["output_tokens"] == report["hf"]["output_tokens"] > 0

@@ -312,3 +312,23 @@ def test_moe_layer_ops_per_decode_step(tmp_path):
     assert diff["aten.bincount"] == diff["aten.resolve_conj"] == 4  # one host read a layer
     assert not any(diff[op] for op in ("aten.nonzero", "aten._local_scalar_dense")), dict(diff)
     assert decode_step_ops(models[6]) == ops[6]  # stable: the same ops in a second engine
+
+
+# ------------------------------------------------------------------------ the benchmark shape
+
+
+def test_the_moe_benchmark_shape_is_qwen3_30b_a3b():
+    """``--shape qwen3-30b-a3b`` (``common/models/shapes.py``): built on ``meta``, 30.5 B
+    parameters of which 3.3 B are active per token (8 of 128 experts), as Qwen publishes.
+    (One layer of it, dummy weights, generates on the CPU in ~18 s: a benchmark's business.)"""
+    from common.models.llama import LlamaArgs
+    from common.models.loader import build_on_meta, read_hf_config
+    from common.models.shapes import write_dummy_shape
+
+    args = LlamaArgs.from_hf(read_hf_config(write_dummy_shape("qwen3-30b-a3b")))
+    assert args.moe is not None and args.moe.num_experts == 128 and args.moe.top_k == 8
+    model = build_on_meta(args, None, 8192, None)  # type: ignore[arg-type]
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - experts + experts * 8 // 128
+    assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9  # 3.35 B
