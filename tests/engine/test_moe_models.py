@@ -332,3 +332,45 @@ def test_the_moe_benchmark_shape_is_qwen3_30b_a3b():
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     active = total - experts + experts * 8 // 128
     assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= active < 3.4e9  # 3.35 B
+
+
+# ------------------------------------------------------------------- disaggregated == colocated
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
+def test_moe_disaggregated_equals_colocated(tmp_path, greedy):
+    """tiny-qwen3-moe through the store connector as the nodes run it: a producer engine
+    prefills and saves, a consumer loads the prompt's KV (nothing recomputed) and goes on; the
+    tokens equal one colocated engine's. The KV is the attention's, so MoE changes nothing in
+    the store's entries."""
+    from common.config import EngineConfig
+    from common.engine import EngineCore
+    from kv_transfer.connector import create_store_connector
+    from tests.kv_store.test_connector import PROMPT_LENS, params, prompts, run
+
+    url = f"file://{tmp_path}/kv"
+    args = dict(model="tiny-qwen3-moe", block_size=16, max_num_batched_tokens=256, num_blocks=256)
+
+    def engine(role: str | None = None) -> EngineCore:
+        config = EngineConfig.from_kwargs(**args, kv_store=url if role else None, kv_role=role)
+        return EngineCore(config, create_store_connector if role else None)
+
+    ps = prompts()
+    colocated = engine()
+    want = run(colocated, [(f"c{i}", p, params(12, greedy), None) for i, p in enumerate(ps)])
+    colocated.close()
+    producer = engine("producer")
+    first = run(producer, [(str(i), p, params(1, greedy), None) for i, p in enumerate(ps)])
+    producer.close()
+    consumer = engine("consumer")
+    rest = run(
+        consumer,
+        [
+            (str(i), p, params(12, greedy), first[str(i)]["tokens"], first[str(i)]["handle"])
+            for i, p in enumerate(ps)
+        ],
+    )
+    consumer.close()
+    for i in range(len(ps)):
+        assert first[str(i)]["tokens"] + rest[str(i)]["tokens"] == want[f"c{i}"]["tokens"]
+    assert [rest[str(i)]["loaded"] for i in range(len(ps))] == list(PROMPT_LENS)
