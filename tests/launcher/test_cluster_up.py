@@ -55,3 +55,28 @@ def test_up_demo_with_a_private_redis(tmp_path: Path) -> None:
     assert "== sample requests ==" in up.output
     assert "| TTFT |" in up.output and "| 6 | 0 |" in up.output  # 6 requests, 0 failed
     assert up.leftovers() == []
+
+
+def test_up_serves_a_moe_model_disaggregated_as_colocated(tmp_path: Path) -> None:
+    """``pdserve up --model tiny-qwen3-moe``: prefill node → store → decode node, the greedy
+    completion equal to the offline engine's (one colocated process)."""
+    from common import LLM, SamplingParams
+
+    prompt = "Experts route each token"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    [want] = LLM(model="tiny-qwen3-moe").generate([prompt], params, use_tqdm=False)
+    up = UpProcess(tmp_path / "logs", "--model", "tiny-qwen3-moe")
+    try:
+        url = up.wait_ready()
+        with httpx.Client(base_url=url, timeout=120.0, trust_env=False) as client:
+            assert health(client) == {"prefill": 1, "decode": 1}
+            body = {"model": "tiny-qwen3-moe", "prompt": prompt, "max_tokens": 12,
+                    "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+            reply = client.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == want.outputs[0].text
+    except BaseException:
+        up.kill()
+        raise
+    assert up.stop(signal.SIGINT) == 0, up.output
+    assert up.leftovers() == [], up.output
