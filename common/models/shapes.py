@@ -19,41 +19,36 @@ _LLAMA_3_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 
+# 8 layers x 8 KV heads x 64 dims in fp32: 32 KiB of KV per token, the CPU KV-path benchmark
+_CPU_KV32K: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
-    # 8 layers x 8 KV heads x 64 dims in fp32: 32 KiB of KV per token, the CPU KV-path benchmark
-    "cpu-kv32k": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 1024,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    },
+    "cpu-kv32k": _CPU_KV32K,
     # the smallest Llama: a step's model work is microseconds, so a step's wall is the host's
     # own work (scheduling, inputs, sampling launch, outputs): benchmarks/host_step.py
-    "host-overhead": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    "host-overhead": _CPU_KV32K
+    | {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "head_dim": 32,
-        "vocab_size": 1024,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     },
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"],

@@ -54,14 +54,22 @@ def test_dummy_gpu_shape_smoke():
     assert report["pdserve"]["output_tokens"] > 0
 
 
-def test_named_shape_runs_against_hf():
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ("llama-3.2-1b", "float32"),
+        # the MoE shape (Qwen3-30B-A3B's): one layer is 1.2 B parameters in bf16
+        pytest.param("qwen3-30b-a3b", "auto", marks=pytest.mark.slow),
+    ],
+)
+def test_named_shape_runs_against_hf(shape: str, dtype: str):
     """`--shape` end to end, HF included: the written config must load in transformers
     (it once lacked `model_type`, which transformers 5 requires)."""
     report = run(
         args(
-            shape="llama-3.2-1b",
+            shape=shape,
             shape_layers=1,
-            dtype="float32",
+            dtype=dtype,
             num_requests=2,
             input_len=(4, 8),
             output_len=(2, 3),
@@ -81,21 +89,3 @@ def test_every_shape_loads_in_transformers():
         config = AutoConfig.from_pretrained(write_dummy_shape(name, num_layers=1))
         assert config.architectures == shape["architectures"]
         assert config.hidden_size == shape["hidden_size"]
-
-
-@pytest.mark.slow
-def test_moe_shape_runs_against_hf():
-    """The MoE benchmark shape (Qwen3-30B-A3B's, one layer: 1.2 B parameters in bf16) end to
-    end, HF's Qwen3-MoE on the same written config included."""
-    report = run(
-        args(
-            shape="qwen3-30b-a3b",
-            shape_layers=1,
-            num_requests=2,
-            input_len=(4, 8),
-            output_len=(2, 3),
-            hf_batch_size=2,
-            roofline_batch=0,
-        )
-    )
-    assert report["pdserve"]["output_tokens"] == report["hf"]["output_tokens"] > 0
