@@ -150,12 +150,10 @@ class RowTensors(NamedTuple):
 
 
 def upload(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host int64 arrays on ``device`` through one copy: from pinned memory and asynchronous on
-    CUDA, so building a step's rows never waits for the GPU (a pageable or blocking copy would
-    hold the host until the steps already queued had run, and the overlap with them would be
-    lost). Slices of one buffer come back, in order."""
-    host = torch.from_numpy(np.concatenate(parts))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
+    """Host int64 arrays on ``device`` through one copy (``common.sampler.to_device``: pinned
+    and asynchronous on CUDA, so building a step's rows never waits for the steps queued before
+    it). Slices of one buffer come back, in order."""
+    from common.sampler import to_device
+
+    flat = to_device(np.concatenate(parts), torch.int64, device)
     return list(flat.split([len(p) for p in parts]))

@@ -30,10 +30,8 @@ Nothing here touches tensors or the engine: ``LLM.beam_search`` runs the rounds.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -115,21 +113,6 @@ def length_penalised(score: np.float32, length: int, length_penalty: float) -> n
     """HF's hypothesis score: the float32 sum divided by the Python float ``length **
     length_penalty``, which torch casts to float32 before it divides."""
     return f32(score / f32(float(length) ** length_penalty))
-
-
-def eos_token_ids(model_dir: str | Path, config: dict[str, Any]) -> list[int]:
-    """The ids that end generation: ``generation_config.json``'s ``eos_token_id`` (one id or a
-    list), else the model config's. What the engine stops on and what a search (offline or the
-    router's) treats as a beam's end."""
-    ids: Any = None
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
-        ids = json.loads(gen.read_text()).get("eos_token_id")
-    if ids is None:
-        ids = config.get("eos_token_id")
-    if ids is None:
-        return []
-    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
 
 class BeamSearch:

@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.beam_search import eos_token_ids
 from common.config import EngineConfig
 from common.kv_cache_manager import KVCacheManager, cdiv
 from common.kv_interface import KVHandle
 from common.memory_profile import KVReserve
 from common.model_runner import ModelRunner, StepResult
 from common.models.loader import read_hf_config
-from common.models.preflight import max_model_len
+from common.models.preflight import eos_token_ids, max_model_len
 from common.models.tiny import resolve_model_path
 from common.request import Request, RequestStatus
 from common.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.beam_search import eos_token_ids
+from common.models.preflight import eos_token_ids
 from router.errors import invalid_request
 
 if TYPE_CHECKING:

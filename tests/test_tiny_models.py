@@ -296,17 +296,17 @@ def test_sharded_checkpoint_loads_with_same_logits(
     assert all((sharded / f).is_file() for f in shard_files)
     assert not (sharded / "model.safetensors").exists()
     ids = torch.tensor([[1, 100, 200, 300, 400, 500]])
-    logits, weights = [], []
+    logits = []
     for model_dir in (single, sharded):
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        # weights in fresh storage: read in place from the files, their addresses differ in
+        # alignment between the two checkpoints, and CPU GEMMs round by alignment (Mixtral's
+        # logits came out 3e-6 apart with equal weights; cloned, bit for bit)
+        for param in model.parameters():
+            param.data = param.data.clone()
         assert model.config.model_type == arch
         logits.append(model(ids).logits)
-        weights.append(model.state_dict())
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # the same load
-    # the same numbers, to the last bit but for MoE: transformers 5.24's grouped_mm experts give
-    # two loads of equal weights logits 3e-6 apart (one load is deterministic with itself)
-    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_checkpoint_dtype_is_stored(

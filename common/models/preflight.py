@@ -4,6 +4,8 @@ serve in one line, before it starts a process, and the engine gives the same rea
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 DENSE_ARCHITECTURES = (
@@ -42,3 +44,18 @@ def max_model_len(hf_config: dict[str, Any], asked: int | None) -> int:
     if asked is not None and asked > limit:
         raise ValueError(f"max_model_len {asked} exceeds the model's limit {limit}")
     return asked or limit
+
+
+def eos_token_ids(model_dir: str | Path, config: dict[str, Any]) -> list[int]:
+    """The ids that end generation: ``generation_config.json``'s ``eos_token_id`` (one id or a
+    list), else the model config's. What the engine stops on and what a search (offline or the
+    router's) treats as a beam's end."""
+    ids: Any = None
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = config.get("eos_token_id")
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -23,9 +24,10 @@ from tests.engine.hf_reference import random_prompts
 WIDTHS = (1, 2, 4, 8)
 # a divergence passes only where HF scores both hypotheses within this of each other
 NEAR_TIE = 1e-4
-# our score vs HF's sequences_scores for the same hypothesis: 1e-4, or 2e-6 of it for long sums
-# (a hold-out hypothesis scored -72.705 came out 1.1e-4 away: a float32 sum of its logprobs)
-SCORE_TOL, SCORE_REL = 1e-4, 2e-6
+# our logprob sum vs the one behind HF's sequences_scores, for the same hypothesis. Compared as
+# sums, the quantity the engine computes: a length penalty of -0.5 multiplies a score by up to
+# sqrt(12): a hold-out's score of -72.705 once came out 1.1e-4 from HF's, its sum within this
+SCORE_TOL = 1e-4
 
 
 def hf_beams(model, prompt: list[int], width: int, max_new: int, length_penalty: float, **kw):
@@ -69,8 +71,9 @@ def assert_same_beams(model, prompt, ours: list[BeamSearchSequence], theirs, sco
             a, b = hf_score(model, prompt, got, lp), hf_score(model, prompt, want, lp)
             assert abs(a - b) < NEAR_TIE, f"rank {i}: ours {got} ({a}), HF {want} ({b})"
             return
-        if scores is not None:
-            assert seq.score == pytest.approx(scores[i], abs=SCORE_TOL, rel=SCORE_REL)
+        if scores is not None:  # the penalty is an exact transform of the sum: checked apart
+            assert seq.cum_logprob == pytest.approx(scores[i] * len(got) ** lp, abs=SCORE_TOL)
+            assert seq.score == length_penalised(np.float32(seq.cum_logprob), len(got), lp)
 
 
 def assert_no_leak(llm: LLM) -> None:

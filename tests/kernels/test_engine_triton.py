@@ -5,18 +5,6 @@ import random
 import pytest
 
 from common import LLM, SamplingParams
-from tests.engine.hf_reference import assert_same_greedy
-
-
-def hf_model(name: str):
-    """HF transformers' model of a built-in tiny model, fp32 on the CPU (the near-tie judge)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from common.models.tiny import resolve_model_path
-
-    path = str(resolve_model_path(name))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def test_triton_backend_matches_torch_backend_end_to_end():
@@ -30,14 +18,10 @@ def test_triton_backend_matches_torch_backend_end_to_end():
     assert triton_llm.engine.runner.backend.name == "triton"
     want = [o.outputs[0].token_ids for o in torch_llm.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
     # a prefix-cache hit on the second pass goes through the chunked-prefill kernel's cache path
     again = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]
-    # equal, or diverging only at a near-tie of HF's logits: on an H200 (2026-11-28) the two
-    # backends' fp32 sums, in different orders, flipped one of tiny-llama's near-flat argmaxes
-    hf = hf_model("tiny-llama")
-    for prompt, ours, again_ours, theirs in zip(prompts, got, again, want):
-        assert_same_greedy(hf, prompt, ours, theirs)
-        assert_same_greedy(hf, prompt, again_ours, theirs)
+    assert again == want
     triton_llm.check_integrity()
 
 
