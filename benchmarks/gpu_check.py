@@ -12,7 +12,7 @@ them):
                             overlap on (the CUDA defaults)
   HF equivalence (off)      the same with graphs and overlap off (``PDSERVE_TEST_EAGER=1``)
   eager == graph replay     greedy tokens of an eager, serial engine and of a graph-replaying,
-                            overlapped one
+                            overlapped one, and of one verifying n-gram drafts in the graphs
   prefill kernel vs SDPA    the paged prefill kernel against torch's flash attention on the same
                             shapes: equal within tolerance, and its time relative to flash
   decode step b1 / b64      ms per step and % of the HBM roofline (weights + KV read per step

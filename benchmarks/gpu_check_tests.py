@@ -101,33 +101,52 @@ def hf_graphs_off(ctx: Context) -> list[Row]:
 # -- eager == graph replay ------------------------------------------------------------------------
 def eager_vs_graph(ctx: Context) -> list[Row]:
     """Greedy tokens of an eager, serial engine against a graph-replaying, overlapped one (tiny
-    Llama in fp32). On CPU the graphs run their padded, fixed-address forward uncaptured."""
+    Llama in fp32), and against graph-replayed speculative verification (n-gram drafts, each
+    draft its own attention row). On CPU the graphs run their padded, fixed-address forward
+    uncaptured."""
     from common import SamplingParams
 
     count, max_tokens = ctx.profile.eager_graph
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 200))] for _ in range(count)]
+    prompts = []  # a random motif repeated, for the n-gram drafts to find
+    for _ in range(count):
+        motif = [rng.randrange(3, 1000) for _ in range(rng.randint(2, 8))]
+        prompts.append((motif * 200)[: rng.randint(len(motif) + 1, 200)])
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    want, _ = greedy(ctx, prompts, params, enforce_eager=True, async_scheduling=False)
-    got, replays = greedy(ctx, prompts, params, async_scheduling=True)
-    same = sum(a == b for a, b in zip(got, want))
-    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    measured = f"{same}/{count} prompts equal, {replays} graph replays"
-    measured += f" (first divergence: prompt {first})" if first is not None else ""
-    ok = same == count and replays > 0
-    return [Row.check("eager == graph replay", ok, measured, "all equal, replays > 0")]
+    want, _, _ = greedy(ctx, prompts, params, enforce_eager=True, async_scheduling=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    runs = {
+        "eager == graph replay": ({"async_scheduling": True}, "all equal, replays > 0"),
+        "eager == graph-replayed verification": (
+            {"speculative_config": ngram},
+            "all equal, verifications replayed",
+        ),
+    }
+    rows = []
+    for name, (engine_args, goal) in runs.items():
+        got, replays, verified = greedy(ctx, prompts, params, **engine_args)
+        same = sum(a == b for a, b in zip(got, want))
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        measured = f"{same}/{count} prompts equal, {replays} graph replays"
+        if "speculative_config" in engine_args:
+            measured += f" ({verified} of them verifying drafts)"
+        measured += f" (first divergence: prompt {first})" if first is not None else ""
+        needed = verified if "speculative_config" in engine_args else replays
+        rows.append(Row.check(name, same == count and needed > 0, measured, goal))
+    return rows
 
 
-def greedy(ctx: Context, prompts, params, **engine_args) -> tuple[list[list[int]], int]:
-    """(token ids per prompt, graph replays) of one tiny-llama engine, released after."""
+def greedy(ctx: Context, prompts, params, **engine_args) -> tuple[list[list[int]], int, int]:
+    """(token ids per prompt, graph replays, replays verifying drafts) of one tiny-llama
+    engine, released after."""
     from common import LLM
 
     bounded = {"kv_cache_memory_gb": 2.0} if ctx.device.type == "cuda" else {}
     llm = LLM(model="tiny-llama", device=str(ctx.device), **bounded, **engine_args)
     try:
-        replays = count_replays(llm) if not engine_args.get("enforce_eager") else [0]
+        replays = count_replays(llm) if not engine_args.get("enforce_eager") else [0, 0]
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], replays[0]
+        return [o.outputs[0].token_ids for o in outs], replays[0], replays[1]
     finally:
         close(llm)
         del llm
@@ -135,7 +154,8 @@ def greedy(ctx: Context, prompts, params, **engine_args) -> tuple[list[list[int]
 
 
 def count_replays(llm) -> list[int]:
-    """Counts the runner's graph replays (a one-item list, updated as it runs). On CPU, where no
+    """Counts the runner's graph replays and those verifying drafts (a two-item list, updated
+    as it runs). On CPU, where no
     graph is captured, the runner gets the uncaptured graph-shaped path first."""
     from common.cuda_graphs import DecodeGraphs
 
@@ -150,12 +170,19 @@ def count_replays(llm) -> list[int]:
             capture=False,
         )
         runner.graphs.capture_all(runner.kv_layers)
-    graphs, replays = runner.graphs, [0]
-    real = graphs.replay
+    graphs, replays = runner.graphs, [0, 0]
+    real, size_for = graphs.replay, graphs.size_for
 
     def replay(size, inputs):
         replays[0] += 1
         return real(size, inputs)
+
+    def sized(scheduled):
+        size = size_for(scheduled)
+        replays[1] += size is not None and any(s.spec_token_ids for s in scheduled)
+        return size
+
+    graphs.size_for = sized
 
     graphs.replay = replay
     return replays

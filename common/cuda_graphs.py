@@ -19,9 +19,13 @@ less. The width costs the host nothing (the step's table is gathered on the devi
 block-table rows, ``common/block_table.py``) and the decode kernel's grid does not follow it
 (``kernels/paged_decode_attention.py``: each row cuts its own partitions), so every context
 stays in the graph. A step is padded to the next captured size with rows of seq len 0 (output
-zeros, never sampled). Steps with more sequences, a prefill chunk, drafts to verify, or
-connector work inside the layers (layer-wise KV load/save) run eagerly. ``--enforce-eager``
-turns graphs off.
+zeros, never sampled). A step verifying speculative drafts replays the same graphs: each of a
+sequence's ``k + 1`` tokens is its own attention row whose seq len ends at its position
+(``StepInputs``' per-token rows), so a batch of ``B`` verifications is a decode step of
+``B (k + 1)`` rows; each row reads the shared context again (``k + 1`` reads of it instead of
+one), the price of one launch instead of ~10 per layer from Python. Steps with more rows than
+the largest graph, a prefill chunk, or connector work inside the layers (layer-wise KV
+load/save) run eagerly. ``--enforce-eager`` turns graphs off.
 
 On a CPU the same class runs the padded, fixed-address forward eagerly (``capture=False``): tests
 use it to check that a padded graph-shaped step gives the tokens of an eager step.
@@ -79,6 +83,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._kv_layers: list[torch.Tensor] | None = None
+        self.replays = 0  # steps run through a graph (on CPU: graph-shaped)
 
     @staticmethod
     def for_config(
@@ -105,11 +110,13 @@ class DecodeGraphs:
         if not scheduled or len(scheduled) > self.max_size or self._kv_layers is None:
             return None
         limit = self.row_stride * self.block_size
+        n = 0  # attention rows: one per token
         for s in scheduled:
-            if s.num_new_tokens != 1 or s.num_computed_tokens + 1 > limit:
-                return None
-        n = len(scheduled)
-        return next(size for size in self.sizes if size >= n)
+            q = s.num_new_tokens
+            if q != 1 + len(s.spec_token_ids) or s.num_computed_tokens + q > limit:
+                return None  # a prompt chunk, or a context past the tables
+            n += q
+        return next((size for size in self.sizes if size >= n), None)
 
     # -- capture and replay ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -152,6 +159,7 @@ class DecodeGraphs:
     def replay(self, size: int, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``(size, hidden)`` of the step just written into the input buffers
         (``inputs``: their views, padded to ``size``; a graph reads the same addresses)."""
+        self.replays += 1
         if not self.capture:
             assert self._kv_layers is not None
             return self.model(inputs.input_ids, inputs.positions, self._kv_layers, inputs.meta)

@@ -192,7 +192,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and tp is None:
+        if self.device.type == "cuda" and not config.enforce_eager:  # TP: every rank, lockstep
             self.graphs = DecodeGraphs.for_config(
                 self.model, self.inputs, config, self.block_size, max_model_len, capture=True
             )
@@ -325,11 +325,18 @@ class ModelRunner:
         if inputs.num_fill:
             assert self._prev_sampled is not None
             self.inputs.fill_from(inputs, self._prev_sampled)
+        self._announce_step(inputs, out, size, hooked)
         if size is not None:
             return self.graphs.replay(size, inputs), inputs  # type: ignore[union-attr]
         inputs.meta.hooks = self.hooks if hooked else None
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         return hidden, inputs
+
+    def _announce_step(
+        self, inputs: StepInputs, out: SchedulerOutput, graph: int | None, hooked: bool
+    ) -> None:
+        """Before the forward: a tensor-parallel rank 0 sends the step to the other ranks
+        (``common/parallel/executor.py``); one device has no one to tell."""
 
     def start_loads(self, meta: ConnectorMetadata) -> None:
         """A step with nothing to compute may still have remote loads to start."""

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from common.attention import AttentionMetadata
-from common.block_table import BlockTableRows, TableChanges
+from common.block_table import BlockTableRows
 from common.step_outputs import ScheduledRequest
 
 
@@ -257,14 +257,19 @@ class InputBuffers:
         o = self.off
         batch = _HostBatch.build(scheduled, prev_rows)
         num_seqs = padded_seqs or len(scheduled)
-        num_tokens = batch.num_tokens + (num_seqs - len(scheduled))
+        # a graph's step has one attention row per token (a draft's row sees the cache up to
+        # its own position), so its padding rows are tokens too
+        num_tokens = num_seqs if padded_seqs else batch.num_tokens
         self._check_fits(num_tokens, num_seqs, row_stride or 0)
         changes = self.table.update(scheduled, h32[o.table_changes : o.block_tables])
         try:
             stride = row_stride or changes.widest
             if stride < changes.widest:
                 raise ValueError(f"a table of {changes.widest} blocks in rows of {stride}")
-            batch.write(h64, h32, o, num_seqs, changes, self.table, self.block_size)
+            rows = changes.rows
+            if padded_seqs and batch.num_tokens > len(scheduled):
+                batch, rows = batch.per_token(rows)
+            batch.write(h64, h32, o, num_seqs, rows, self.table, self.block_size)
             used64 = o.fill + 2 * len(batch.fill_dst)
             self._to_device(host64, host32, used64, o.table_changes + 2 * changes.num_changes)
             self.rows.apply(changes.num_changes)
@@ -273,11 +278,13 @@ class InputBuffers:
             raise
         self.rows.gather(num_seqs, stride)
         views = self.views(num_tokens, num_seqs, stride, len(batch.logits_rows))
-        pad = num_seqs - len(scheduled)
+        pad = num_seqs - len(batch.query_lens)
         meta = views.meta
         meta.query_lens = batch.query_lens + [1] * pad if pad else batch.query_lens
         meta.seq_lens_cpu = batch.seq_lens + [0] * pad if pad else batch.seq_lens
-        meta.max_query_len = 1 if batch.num_tokens == len(scheduled) else max(batch.query_lens)
+        meta.max_query_len = (
+            1 if batch.num_tokens == len(batch.query_lens) else max(batch.query_lens)
+        )
         meta.max_seq_len = row_stride * self.block_size if row_stride else max(batch.seq_lens)
         return views._replace(num_fill=len(batch.fill_dst), num_table_changes=changes.num_changes)
 
@@ -476,28 +483,52 @@ class _HostBatch:
         seq_lens = list(map(operator.add, starts, q_lens))
         return _HostBatch(tokens, starts, q_lens, seq_lens, logits_rows, fill_dst, fill_src)
 
+    def _positions(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``query_start_loc``, each token's position and each token's table row."""
+        n, s = self.num_tokens, len(self.query_lens)
+        starts = np.asarray(self.starts, np.int64)
+        if n == s:  # one token per sequence (decode): no repeats
+            return np.arange(s + 1, dtype=np.int64), starts, rows
+        q_lens = np.asarray(self.query_lens, np.int64)
+        qsl = np.concatenate(([0], q_lens.cumsum()))
+        positions = np.arange(n, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
+        return qsl, positions, np.repeat(rows, q_lens)
+
+    def per_token(self, rows: np.ndarray) -> tuple[_HostBatch, np.ndarray]:
+        """The same step with every token its own attention row (what a decode graph runs):
+        a verified draft's row reads the cache up to its own position, the drafts before it
+        included (each layer writes the step's K/V before it attends), which is the causal
+        mask of the sequence's k + 1 tokens. Returns the batch and each row's table row."""
+        _, positions, token_rows = self._positions(rows)
+        starts = positions.tolist()
+        n = self.num_tokens
+        return (
+            _HostBatch(
+                self.tokens,
+                starts,
+                [1] * n,
+                list(map((1).__add__, starts)),
+                self.logits_rows,
+                self.fill_dst,
+                self.fill_src,
+            ),
+            token_rows,
+        )
+
     def write(
         self,
         h64: np.ndarray,
         h32: np.ndarray,
         o: _Offsets,
         num_seqs: int,
-        changes: TableChanges,
+        rows: np.ndarray,
         table: BlockTableRows,
         block_size: int,
     ) -> None:
-        """Fill the host buffers (padding rows included); slots come from the host rows."""
+        """Fill the host buffers (padding rows included); slots come from the host rows
+        (``rows``: each sequence's)."""
         n, s = self.num_tokens, len(self.query_lens)
-        starts = np.asarray(self.starts, np.int64)
-        rows = changes.rows
-        if n == s:  # one token per sequence (decode): no repeats
-            qsl = np.arange(s + 1, dtype=np.int64)
-            positions, token_rows = starts, rows
-        else:
-            q_lens = np.asarray(self.query_lens, np.int64)
-            qsl = np.concatenate(([0], q_lens.cumsum()))
-            positions = np.arange(n, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
-            token_rows = np.repeat(rows, q_lens)
+        qsl, positions, token_rows = self._positions(rows)
         pad = num_seqs - s  # padding rows of a captured graph: harmless inputs, output ignored
         h64[o.tokens : o.tokens + n] = self.tokens
         h64[o.positions : o.positions + n] = positions

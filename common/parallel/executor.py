@@ -25,9 +25,14 @@ header with the op and the block count, then the block ids, then the collective.
 between steps (lands when rank 0's connector reports finished loads, collects once a step's
 sampling is launched), so a worker's loop reads one op at a time: a step, a KV op, or stop.
 
-TP steps run eagerly (no CUDA graphs are captured). Overlapped scheduling works: a step's
-input ids that come from the previous step's samples (still on rank 0's device) are broadcast
-on the device group after the inputs.
+CUDA graphs: every rank captures the same decode graphs (rank 0's config, sizes included) at
+start-up, in the same order, so the all-reduces inside them are captured in lockstep (NCCL
+collectives are capturable; each rank's graph holds its own communicator's kernels). The
+header names the graph rank 0 replays (``graph``: its padded size, 0 for an eager step) and the
+step's shape is that graph's padded shape, so ``adopt`` gives every worker the graph's fixed
+views; each replays the same size. Overlapped scheduling works: a step's input ids that come
+from the previous step's samples (still on rank 0's device) are broadcast on the device group
+after the inputs, into the same fixed buffer the graphs read.
 
 A failed rank fails the engine with ``TensorParallelError``, never a hang, on gloo and on NCCL:
 rank 0's ``RankMonitor`` (``common/parallel/monitor.py``) waits on the workers' sentinels and
@@ -89,16 +94,19 @@ class _Header(NamedTuple):
     # input ids were filled on the device from the last step's samples (overlapped scheduling:
     # rank 0 then broadcasts its input ids on the device group, no host sync)
     filled: bool = False
+    # the decode graph every rank replays (its size: the step's padded rows), 0: eager
+    graph: int = 0
 
-    SIZE = 3 + len(StepShape._fields)
+    SIZE = 4 + len(StepShape._fields)
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor([self.op, *self.step, self.num_scored, self.filled], dtype=torch.int64)
+        values = [self.op, *self.step, self.num_scored, self.filled, self.graph]
+        return torch.tensor(values, dtype=torch.int64)
 
     @staticmethod
     def read(t: torch.Tensor) -> _Header:
-        op, *step, scored, filled = t.tolist()
-        return _Header(op, StepShape(*step), scored, bool(filled))
+        op, *step, scored, filled, graph = t.tolist()
+        return _Header(op, StepShape(*step), scored, bool(filled), graph)
 
     @staticmethod
     def kv_op(op: int, num_blocks: int = 0) -> _Header:
@@ -199,20 +207,16 @@ class ParallelModelRunner(ModelRunner):
         dist.broadcast(ids, 0, group=self._group.control_group)
         return ids.to(self.device)
 
-    def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
+    def _announce_step(
+        self, inputs: StepInputs, out: SchedulerOutput, graph: int | None, hooked: bool
+    ) -> None:
         assert not hooked, "under tensor parallelism the connector moves KV between steps"
-        inputs = self.inputs.prepare(out.scheduled, self._prev_rows)
-        if inputs.num_fill:  # overlapped: ids sampled by the step still running
-            assert self._prev_sampled is not None
-            self.inputs.fill_from(inputs, self._prev_sampled)
-        self._broadcast(inputs, prompt_rows(out.scheduled))
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
-        return hidden, inputs
+        self._broadcast(inputs, prompt_rows(out.scheduled), graph or 0)
 
-    def _broadcast(self, inputs: StepInputs, prompt: list[int]) -> None:
+    def _broadcast(self, inputs: StepInputs, prompt: list[int], graph: int) -> None:
         assert self.tp is not None
         shape = inputs.shape
-        header = _Header(_STEP, shape, len(prompt), inputs.num_fill > 0)
+        header = _Header(_STEP, shape, len(prompt), inputs.num_fill > 0, graph)
         host64, host32 = self.inputs.last_host
         used64, used32 = self.inputs.used_prefixes(shape)
         group = self.tp.control_group
@@ -383,7 +387,7 @@ def _worker_main(rank: int, plain: dict[str, Any]) -> None:
     die_with(plain["parent"])  # a rank never outlives its engine (SIGKILL included)
     logging.basicConfig(level=logging.WARNING)
     size = plain["size"]
-    config = RunnerConfig(**{**plain["runner"], "cuda_graph_sizes": None})
+    config = RunnerConfig(**plain["runner"])  # rank 0's: the same graphs, captured in lockstep
     device = torch.device(_rank_device(config.device, rank))
     if device.type == "cpu":
         torch.set_num_threads(_cpu_threads(plain["cpu_threads"], size))
@@ -429,7 +433,10 @@ def _serve(runner: ModelRunner, tp: TensorParallel) -> None:
         inputs = buffers.adopt(header.step)
         if header.filled:
             dist.broadcast(inputs.input_ids, 0, group=tp.device_group)
-        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
+        if header.graph and runner.graphs is not None:
+            hidden = runner.graphs.replay(header.graph, inputs)
+        else:  # eager (on a CPU, a graph's padded step runs eagerly, as rank 0's does)
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_layers, inputs.meta)
         if header.num_scored:  # prompt logprobs first, as rank 0 computes them
             runner.model.lm_head(hidden.index_select(0, prompt.to(runner.device)))
         if inputs.num_logits_rows:

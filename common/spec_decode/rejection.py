@@ -31,7 +31,7 @@ def record_verification(request: Request, accepted: int) -> None:
     """Back off a request whose drafts keep missing: after ``n`` verifications in a row that
     accepted nothing, it proposes no drafts for its next ``2 ** (n - 1)`` output tokens (at most
     ``MAX_BACKOFF_TOKENS``); one accepted draft ends the back-off. A verification step costs
-    ``k + 1`` query tokens and rows (and, on CUDA, the decode graphs and the overlapped loop),
+    ``k + 1`` query tokens and attention rows (and the overlapped loop),
     so drafts that are never right make decoding slower than not speculating; drafts that are
     sometimes right keep being proposed. Tokens never change: only whether drafts are tried."""
     if accepted:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from common.config import EngineConfig, SchedulerConfig
+from common.cuda_graphs import DecodeGraphs, capture_sizes
 from common.kv_cache_manager import KVCacheManager
 from common.llm import LLM
 from common.request import Request
@@ -182,9 +183,12 @@ def test_a_stop_token_inside_the_accepted_run_ends_it_there():
 
 
 # -- whole engine: identical output -------------------------------------------------------------
-def _run(model, params, spec=None, **args):
+def _run(model, params, spec=None, graphs=None, **args):
+    """``graphs``: a list the graph-shaped runner (``_graph_shaped``) appends to."""
     args = {"max_num_batched_tokens": 64, **args}
     llm = LLM(model=model, speculative_config=spec, **args)
+    if graphs is not None:
+        _graph_shaped(llm, graphs)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     llm.check_integrity()
     assert llm.engine.num_free_blocks() == llm.engine.kv_cache_manager.pool.num_blocks
@@ -248,6 +252,73 @@ def bigram_model():
     from benchmarks.speculative import bigram_checkpoint
 
     return str(bigram_checkpoint("tiny-llama"))
+
+
+def _graph_shaped(llm: LLM, replayed: list) -> None:
+    """Run the engine's decode and verification steps through the CUDA-graph path (padded,
+    fixed-address, per-token attention rows; eager on CPU), recording each replay's
+    ``(size, tokens verified)``."""
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.inputs,
+        runner.block_size,
+        capture_sizes(64),
+        max_seq_len=runner.max_model_len,
+        capture=False,
+    )
+    graphs.capture_all(runner.kv_layers)
+    size_for = graphs.size_for
+
+    def recording(scheduled):
+        size = size_for(scheduled)
+        if size is not None:
+            replayed.append((size, sum(len(s.spec_token_ids) for s in scheduled)))
+        return size
+
+    graphs.size_for = recording
+    runner.graphs = graphs
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{}, {"num_blocks": 24, "max_model_len": 256}, {"async_scheduling": True}],
+    ids=["plain", "preemption", "overlapped"],
+)
+def test_verification_in_decode_graphs_equals_plain_decoding(bigram_model, args):
+    """Verification steps replay the decode graphs (each draft its own attention row) and give
+    plain decoding's tokens and logprobs; mostly accepted drafts (the bigram model) make every
+    row count."""
+    ref, _ = _run(bigram_model, GREEDY, **args)
+    replayed = []
+    outs, llm = _run(bigram_model, GREEDY, NGRAM, graphs=replayed, **args)
+    _same(outs, ref)
+    verified = [size for size, drafts in replayed if drafts]
+    assert len(verified) > 10, replayed
+    assert (
+        llm.engine.stats().spec_num_accepted_tokens > llm.engine.stats().spec_num_draft_tokens / 2
+    )
+
+
+def test_verification_in_decode_graphs_reads_the_context(greedy_reference):
+    """The random tiny models, whose tokens depend on every position attended to (the bigram
+    model's mostly do not): greedy tokens and logprobs equal plain decoding's."""
+    model, ref = greedy_reference
+    replayed = []
+    outs, _ = _run(model, GREEDY, NGRAM, graphs=replayed)
+    _same(outs, ref)
+    assert any(drafts for _, drafts in replayed), replayed
+
+
+def test_seeded_verification_in_decode_graphs_equals_plain_seeded_sampling():
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=40) for i in range(8)
+    ] + [SamplingParams(temperature=0.0, max_tokens=40)] * (len(PROMPTS) - 8)
+    ref, _ = _run("tiny-llama", params)
+    replayed = []
+    outs, _ = _run("tiny-llama", params, NGRAM, graphs=replayed)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert any(drafts for _, drafts in replayed), replayed
 
 
 def test_seeded_ngram_equals_plain_seeded_sampling():

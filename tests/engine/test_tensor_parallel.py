@@ -17,6 +17,7 @@ import pytest
 from common import LLM, SamplingParams
 from common.models.tiny import write_hf_checkpoint
 from common.parallel.executor import TensorParallelError, weight_bytes
+from tests.engine.test_spec_decode import _graph_shaped
 
 ENGINE_ARGS = dict(
     max_num_batched_tokens=16,  # prompts of 40 tokens prefill in chunks
@@ -128,14 +129,16 @@ def test_prompt_logprobs_equal_one_device(gqa_dir):
         parallel.engine.close()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "ngram-graphs"])
 def test_speculative_decoding_gives_the_one_device_tokens(method):
     """Verification is a step with more logits rows: the workers' LM head takes the same rows.
-    The draft model runs whole (TP 1) beside rank 0."""
-    spec = {"method": method, "num_speculative_tokens": 3}
+    The draft model runs whole (TP 1) beside rank 0. ``-graphs``: rank 0 runs its decode and
+    verification steps graph-shaped (padded, one attention row per token) and every rank
+    follows the header's graph size."""
+    spec = {"method": method.removesuffix("-graphs"), "num_speculative_tokens": 3}
     spec.update(
         {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
-        if method == "ngram"
+        if method.startswith("ngram")
         else {"model": "tiny-llama"}  # the target as its own draft: every draft accepted
     )
     prompts = [[1, 5, 9, 33, 2, 7] * 4, list(range(100, 140)), [7, 8, 9] * 10]
@@ -143,6 +146,9 @@ def test_speculative_decoding_gives_the_one_device_tokens(method):
     parallel = LLM(
         model="tiny-llama", tensor_parallel_size=2, speculative_config=spec, **ENGINE_ARGS
     )
+    replayed: list[tuple[int, int]] = []
+    if method.endswith("-graphs"):
+        _graph_shaped(parallel, replayed)
     try:
         for params in (
             SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
@@ -160,6 +166,8 @@ def test_speculative_decoding_gives_the_one_device_tokens(method):
         assert greedy.spec_num_draft_tokens > 0
         if method == "draft_model":  # greedy: the target agrees with itself
             assert greedy.spec_num_accepted_tokens >= 0.9 * greedy.spec_num_draft_tokens
+        if method.endswith("-graphs"):
+            assert any(drafts for _, drafts in replayed), replayed
         parallel.check_integrity()
     finally:
         parallel.engine.close()
@@ -202,6 +210,22 @@ def test_rank_dying_at_start_fails_fast():
     with pytest.raises(TensorParallelError, match="rank 1 exited"):
         LLM(model="tiny-llama", tensor_parallel_size=2, **ENGINE_ARGS)
     assert time.monotonic() - start < 30
+
+
+def test_graph_shaped_overlapped_steps_give_the_serial_tokens():
+    """Rank 0 pads its decode steps to a graph's shape and names the graph in the header; the
+    workers adopt the padded shape (on a GPU each replays its own capture of that size, the
+    all-reduces captured in lockstep; on a CPU both sides run the padded step eagerly). The
+    overlap test's workload, overlapped, against one device, serial."""
+    from tests.engine.test_overlap import generate
+
+    want, _ = generate(async_scheduling=False)
+    got, llm = generate(graphs=True, async_scheduling=True, tensor_parallel_size=2, cpu_threads=1)
+    try:
+        assert got == want
+        assert llm.engine.runner.graphs.replays > 0
+    finally:
+        llm.engine.close()
 
 
 def test_overlapped_scheduling_gives_the_serial_tokens(monkeypatch):
