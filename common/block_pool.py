@@ -16,7 +16,7 @@ Everything here is plain Python ints and objects: no tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from common.block_hash import BlockHash
@@ -94,7 +94,14 @@ class PrefixCacheStats:
 class BlockPool:
     """Owns every ``KVCacheBlock``; hands them out and takes them back."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        on_evict: Callable[[int, BlockHash], None] | None = None,
+    ) -> None:
+        """``on_evict(block_id, hash)``: called when a cached block is taken for reuse, before
+        anything writes it (the host tier keeps its KV, ``common/host_kv_tier.py``)."""
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
@@ -103,6 +110,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,6 +129,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            cached = block.block_hash
+            if self.on_evict is not None and cached is not None and self.cached[cached] is block:
+                self.on_evict(block.block_id, cached)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -44,6 +44,8 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = None  # None: 0.5 GiB on CPU, 90% of free memory on GPU
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # host memory for prefix-cache blocks evicted from the device (0: none; common/host_kv_tier)
+    kv_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -54,6 +56,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_offload_gb < 0:
+            raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
+        if self.kv_offload_gb and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb needs prefix caching (it holds evicted cached blocks)")
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,8 @@ class EngineConfig:
         size = self.tensor_parallel_size
         if size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        if size > 1 and self.cache.kv_offload_gb:
+            raise ValueError("kv_offload_gb is not supported with tensor_parallel_size > 1 yet")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(

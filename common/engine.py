@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from common.config import EngineConfig
+from common.host_kv_tier import HostTierIndex
 from common.kv_cache_manager import KVCacheManager, cdiv
 from common.kv_interface import KVHandle
 from common.memory_profile import KVReserve
@@ -75,8 +76,12 @@ class EngineCore:
         except ValueError:
             self.runner.close()  # tensor-parallel workers must not outlive a refused start
             raise
+        host = self.runner.host_tier
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, self.block_size, config.cache.enable_prefix_caching
+            self.runner.num_blocks,
+            self.block_size,
+            config.cache.enable_prefix_caching,
+            HostTierIndex(host.num_slots) if host is not None else None,
         )
         # set from the connector's threads when a lookup answers or a load part arrives: a
         # step with nothing to run waits for it (``_step``) instead of spinning a core
@@ -331,6 +336,8 @@ class EngineCore:
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         sched_out = self._scheduled = self.scheduler.schedule()
+        if sched_out.host_copies is not None:  # before any load or write of the step
+            self.runner.copy_host_tier(sched_out.host_copies)
         if sched_out.is_empty:
             if sched_out.connector_meta is not None:
                 self.runner.start_loads(sched_out.connector_meta)

@@ -13,17 +13,22 @@ never hands out twice. Whoever mirrors a table (the runner's block-table rows,
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import NamedTuple
 
+from common.block_hash import BlockHash
 from common.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
+from common.host_kv_tier import HostCopies, HostTierIndex
 from common.request import Request
 
 
 class ComputedBlocks(NamedTuple):
-    """A prefix-cache hit: blocks whose KV is already in the cache, and the tokens they cover."""
+    """A prefix-cache hit: blocks whose KV is already in the cache, then the host tier's slots
+    of the blocks that follow (copied in by the step), and the tokens they all cover."""
 
     blocks: list[KVCacheBlock]
     num_tokens: int
+    host_hashes: Sequence[BlockHash] = ()
 
 
 NO_HIT = ComputedBlocks([], 0)
@@ -34,9 +39,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        host_tier: HostTierIndex | None = None,
+    ):
+        """``host_tier``: where evicted cached blocks go and hits may come from after the
+        device's (``common/host_kv_tier.py``); needs prefix caching."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.host_tier = host_tier if enable_prefix_caching else None
+        on_evict = self.host_tier.offload if self.host_tier is not None else None
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, on_evict)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # The same tables as plain ids, kept in step so a step never rebuilds them per block.
         self.req_to_ids: dict[str, list[int]] = {}
@@ -77,7 +92,11 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits, len(hits) * self.block_size)
+        if self.host_tier is None or len(hits) == max_blocks:
+            return ComputedBlocks(hits, len(hits) * self.block_size)
+        rest = request.block_hashes[len(hits) : max_blocks]
+        host = rest[: len(self.host_tier.lookup(rest))]
+        return ComputedBlocks(hits, (len(hits) + len(host)) * self.block_size, host)
 
     def record_lookup(self, request: Request, hit: ComputedBlocks) -> None:
         self.stats.queries += request.num_tokens
@@ -125,11 +144,22 @@ class KVCacheManager:
         self.pool.touch(computed.blocks)
         held.extend(computed.blocks)
         ids.extend(b.block_id for b in computed.blocks)
+        host = computed.host_hashes
+        if host:  # before the allocation below evicts (and offloads) anything
+            self.host_tier.pin(host)  # type: ignore[union-attr]
         new_blocks = self.pool.get_new_blocks(num_needed)
         held.extend(new_blocks)
         new_ids = [b.block_id for b in new_blocks]
         ids.extend(new_ids)
+        if host:  # the first new blocks are the host tier's hits: copied in, then cached
+            self.host_tier.load(host, new_ids[: len(host)])  # type: ignore[union-attr]
+            for block, block_hash in zip(new_blocks, host):
+                self.pool.cache_block(block, block_hash)
         return new_ids
+
+    def take_host_copies(self) -> HostCopies | None:
+        """The copies the step being scheduled must run first (``common/host_kv_tier.py``)."""
+        return self.host_tier.take_copies() if self.host_tier is not None else None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks covering its first ``num_tokens`` tokens."""
@@ -168,7 +198,10 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> None:
+        """Drop every cached block (device and host tier): none may be hit again."""
         self.pool.reset_prefix_cache()
+        if self.host_tier is not None:
+            self.host_tier.clear()
 
     def check_integrity(self) -> None:
         """Every block's ref count equals the number of block tables holding it."""

@@ -23,6 +23,7 @@ from common import penalty_counts
 from common.attention import LayerHooks, get_attention_backend
 from common.config import CacheConfig, RunnerConfig
 from common.cuda_graphs import DecodeGraphs
+from common.host_kv_tier import HostCopies, HostKVTier
 from common.host_memory import keep_freed_host_memory, zeros_on_huge_pages
 from common.kv_connector import ConnectorHooks, KVConnectorWorker
 from common.kv_interface import ConnectorMetadata, KVCacheSpec
@@ -204,6 +205,15 @@ class ModelRunner:
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_layers = list(self.kv_cache.unbind(0))  # per-layer views, made once
+        self.host_tier: HostKVTier | None = None
+        if cache_config.kv_offload_gb:
+            slots = HostKVTier.num_slots_for(cache_config.kv_offload_gb, self.spec.bytes_per_block)
+            if slots < 1:
+                raise ValueError(
+                    f"kv_offload_gb={cache_config.kv_offload_gb:g} holds no KV block "
+                    f"({self.spec.bytes_per_block} bytes)"
+                )
+            self.host_tier = HostKVTier(slots, self.kv_cache)
         if self.device.type == "cuda":
             self._warm_up_kernels()
         if self.graphs is not None:
@@ -337,6 +347,13 @@ class ModelRunner:
     ) -> None:
         """Before the forward: a tensor-parallel rank 0 sends the step to the other ranks
         (``common/parallel/executor.py``); one device has no one to tell."""
+
+    def copy_host_tier(self, copies: HostCopies) -> None:
+        """Queue a step's copies between the cache and the host tier, before anything else of
+        the step (``common/host_kv_tier.py``)."""
+        assert self.host_tier is not None
+        bind_device(self.device)
+        self.host_tier.copy(copies, self.kv_cache)
 
     def start_loads(self, meta: ConnectorMetadata) -> None:
         """A step with nothing to compute may still have remote loads to start."""

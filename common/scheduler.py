@@ -50,6 +50,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from common.config import SchedulerConfig
+from common.host_kv_tier import HostTierStats
 from common.kv_cache_manager import NO_HIT, ComputedBlocks, KVCacheManager
 from common.kv_connector import KVConnectorScheduler
 from common.request import Request, RequestStatus, TokenLogprobs
@@ -145,6 +146,8 @@ class Scheduler:
     def stats(self) -> EngineStats:
         """Queue, batch and cache figures now (between steps)."""
         waiting = [r for r in self.requests.values() if r.status != RequestStatus.RUNNING]
+        tier = self.kv.host_tier
+        host = tier.stats() if tier is not None else HostTierStats(0, 0, 0)
         return EngineStats(
             num_waiting=len(waiting),
             num_running=len(self.running),
@@ -154,6 +157,8 @@ class Scheduler:
             spec_num_drafts=self.spec_counts[0],
             spec_num_draft_tokens=self.spec_counts[1],
             spec_num_accepted_tokens=self.spec_counts[2],
+            host_tier_offloaded_blocks=host.offloaded_blocks,
+            host_tier_loaded_blocks=host.loaded_blocks,
         )
 
     # -- one step ----------------------------------------------------------------------------
@@ -164,6 +169,7 @@ class Scheduler:
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        out.host_copies = self.kv.take_host_copies()
         self.num_scheduled_tokens += out.num_batched_tokens
         if self.connector is not None:
             out.connector_meta = self.connector.build_connector_meta(out)

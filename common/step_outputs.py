@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from common.host_kv_tier import HostCopies
 from common.kv_interface import ConnectorMetadata, KVHandle
 from common.request import Request, TokenLogprobs
 
@@ -42,6 +43,9 @@ class SchedulerOutput:
     # set by the engine after ``schedule``: the step's grammar bitmask (a host tensor, one row
     # per sampling row; common/structured_output.py). The scheduler never reads it.
     grammar_bitmask: object | None = None
+    # copies between the device cache and the host KV tier, run before anything else of the
+    # step (``common/host_kv_tier.py``)
+    host_copies: HostCopies | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +89,10 @@ class EngineStats(msgspec.Struct, forbid_unknown_fields=True):
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # the host KV tier (``--kv-offload-gb``), over the engine's life: blocks copied out on
+    # eviction, blocks copied back for prefix hits
+    host_tier_offloaded_blocks: int = 0
+    host_tier_loaded_blocks: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

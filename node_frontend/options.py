@@ -36,6 +36,7 @@ ENGINE_OPTIONS = (
     "max_model_len",
     "cpu_threads",
     "kv_cache_memory_gb",
+    "kv_offload_gb",
     "gpu_memory_utilization",
     "enforce_eager",
     "async_scheduling",
@@ -75,6 +76,7 @@ class NodeOptions:
     max_model_len: int | None = None
     cpu_threads: int | None = None
     kv_cache_memory_gb: float | None = None
+    kv_offload_gb: float | None = None
     gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None
     async_scheduling: bool | None = None
@@ -210,6 +212,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--max-model-len", int, "engine: longest prompt + output (default: the model's)"),
     ("--cpu-threads", int, "engine (CPU): torch threads of the engine process"),
     ("--kv-cache-memory-gb", float, "engine: KV cache size in GiB (default: from free memory)"),
+    ("--kv-offload-gb", float, "engine: host memory for KV blocks evicted from the cache (GiB)"),
     ("--gpu-memory-utilization", float, "engine (CUDA): share of GPU memory to use (default 0.9)"),
     ("--enforce-eager", "flag", "engine (CUDA): no decode CUDA graphs"),
     ("--async-scheduling", "flag", "engine: schedule the next step while one runs (default: CUDA)"),

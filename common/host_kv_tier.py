@@ -1,0 +1,182 @@
+"""A host-memory KV tier behind the device's prefix cache (``--kv-offload-gb``).
+
+NOTE: how a block moves between the tiers. A full block of the prefix cache lives on the device
+until the pool hands it to someone else (``BlockPool``: LRU eviction from the free queue). With a
+host tier the eviction is not the end: the scheduler gives the block's hash a host slot (LRU over
+the slots) and the step copies the block there before anything writes it. A later lookup goes
+device → host tier → store connector, in that order: blocks found in the host tier are copied
+into freshly allocated device blocks before the step's forward and count as computed, and only
+what neither tier holds is asked of the store (so a decode node's loads read the host tier
+first) or computed.
+
+```
+  scheduler (plain ints, HostTierIndex)          runner (tensors, HostKVTier)
+  evict b (hash h) → slot s = LRU victim    ──▶  offloads: host[s] ← kv[:, :, b]   (first)
+  lookup h' → slot s'; new block b'         ──▶  loads:    kv[:, :, b'] ← host[s'] (then)
+                                                 forward of the step
+```
+
+The two halves agree through ``HostCopies``, built by the scheduler and carried in the
+``SchedulerOutput``. Ordering makes it safe without waits: every copy is queued on the device
+stream before the step that might overwrite its source (on CUDA the host tensor is pinned and
+the copies are asynchronous; the step in flight, if any, is ahead of them in the stream), a slot
+read by a load this step is pinned so no offload of the same step reuses it, and offloads run
+before loads (a block evicted and reloaded in one step keeps both contents straight). A block
+is offloaded only when the pool drops its cache entry, never at prefix-cache resets (a reset
+says the cache may hold bad KV: the host tier is cleared with it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from common.block_hash import BlockHash
+
+if TYPE_CHECKING:  # the scheduler's half is plain ints: no torch import for it
+    import torch
+
+
+class HostCopies(NamedTuple):
+    """One step's copies between the device cache and the host tier."""
+
+    offloads: list[tuple[int, int]]  # (device block, host slot): device → host, run first
+    loads: list[tuple[int, int]]  # (host slot, device block): host → device, run after
+
+
+class HostTierStats(NamedTuple):
+    offloaded_blocks: int  # blocks copied to the host tier
+    loaded_blocks: int  # blocks copied back (prefix hits served by the host tier)
+    dropped_blocks: int  # evicted blocks the tier had no free, unpinned slot for
+
+
+class HostTierIndex:
+    """The scheduler's half: which block hash is in which host slot, in LRU order. Plain ints."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()  # slots this step's loads read
+        self._offloads: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._counts = [0, 0, 0]
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The slots of the leading run of ``hashes`` the tier holds. No side effects."""
+        slots = []
+        for block_hash in hashes:
+            slot = self._slots.get(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def pin(self, hashes: Sequence[BlockHash]) -> None:
+        """Mark the slots of ``hashes`` (a lookup's) most recently used and keep them for this
+        step's loads: no offload of this step may take them."""
+        for block_hash in hashes:
+            self._slots.move_to_end(block_hash)
+            self._pinned.add(self._slots[block_hash])
+
+    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        """Copy the pinned slots of ``hashes`` into ``block_ids`` before this step's forward."""
+        for block_hash, block_id in zip(hashes, block_ids, strict=True):
+            self._loads.append((self._slots[block_hash], block_id))
+        self._counts[1] += len(block_ids)
+
+    def offload(self, block_id: int, block_hash: BlockHash) -> None:
+        """Device block ``block_id`` is about to be reused: keep its KV under ``block_hash``."""
+        if block_hash in self._slots:  # the same KV is already here
+            self._slots.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            self._counts[2] += 1
+            return
+        self._slots[block_hash] = slot
+        self._offloads.append((block_id, slot))
+        self._counts[0] += 1
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._slots.items():  # least recently used first
+            if slot not in self._pinned:
+                del self._slots[block_hash]
+                return slot
+        return None
+
+    def take_copies(self) -> HostCopies | None:
+        """This step's copies (None: none); the next step starts with no pins."""
+        self._pinned.clear()
+        if not self._offloads and not self._loads:
+            return None
+        copies = HostCopies(self._offloads, self._loads)
+        self._offloads, self._loads = [], []
+        return copies
+
+    def clear(self) -> None:
+        """Forget every entry (copies already handed out stay valid: they are queued first)."""
+        self._slots.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._pinned.clear()
+
+    def stats(self) -> HostTierStats:
+        return HostTierStats(*self._counts)
+
+
+class HostKVTier:
+    """The runner's half: the host tensor of ``num_slots`` blocks × all layers, and the copies.
+    Pinned on CUDA (the copies are asynchronous, queued on the current stream)."""
+
+    def __init__(self, num_slots: int, kv_cache: torch.Tensor) -> None:
+        import torch
+
+        # kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        block_shape = kv_cache[:, :, 0].shape
+        on_cuda = kv_cache.device.type == "cuda"
+        self.host = torch.empty((num_slots, *block_shape), dtype=kv_cache.dtype, pin_memory=on_cuda)
+        self.num_slots = num_slots
+
+    @staticmethod
+    def num_slots_for(gib: float, bytes_per_block: int) -> int:
+        return int(gib * 2**30) // bytes_per_block
+
+    def copy(self, copies: HostCopies, kv_cache: torch.Tensor) -> None:
+        """Offloads, then loads: one gather or scatter over the cache each, and on CUDA one
+        contiguous asynchronous copy per block between the pinned slot and a device staging
+        row (the slots of a step are not contiguous)."""
+        import torch
+
+        from common.sampler import to_device  # pinned, asynchronous index upload
+
+        device = kv_cache.device
+        on_cpu = device.type == "cpu"
+        if copies.offloads:
+            blocks, slots = (list(v) for v in zip(*copies.offloads, strict=True))
+            index = to_device(blocks, torch.int64, device)
+            gathered = kv_cache.index_select(2, index).movedim(2, 0)
+            if on_cpu:
+                self.host.index_copy_(0, torch.tensor(slots), gathered)
+            else:
+                gathered = gathered.contiguous()
+                for row, slot in enumerate(slots):
+                    self.host[slot].copy_(gathered[row], non_blocking=True)
+        if copies.loads:
+            slots, blocks = (list(v) for v in zip(*copies.loads, strict=True))
+            index = to_device(blocks, torch.int64, device)
+            if on_cpu:
+                staged = self.host.index_select(0, torch.tensor(slots))
+            else:
+                staged = torch.empty((len(slots), *self.host.shape[1:]), dtype=kv_cache.dtype,
+                                     device=device)  # fmt: skip
+                for row, slot in enumerate(slots):
+                    staged[row].copy_(self.host[slot], non_blocking=True)
+            kv_cache.index_copy_(2, index, staged.movedim(0, 2))
