@@ -13,8 +13,6 @@ tier and an empty device cache. Every tier gives the first token recompute gives
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import tempfile
@@ -23,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.report_io import parser, pyplot, save_figure, write_outputs
 from common import LLM, SamplingParams
 
 FIRST = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -109,11 +108,7 @@ def measure(model: str, count: int, length: int, threads: int | None) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = report["rows"]
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     ax.bar([r["tier"] for r in rows], [r["ttft_ms_median"] for r in rows], color="tab:blue")
@@ -125,18 +120,12 @@ def plot(report: dict, path: Path) -> None:
         f"Where the KV comes from: {report['model']}, "
         f"{report['prompts']} x {report['prompt_tokens']} tokens"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="tiny-llama")
+    p = parser(__doc__)
     p.add_argument("--prompts", default="8x1536", help="COUNTxTOKENS")
-    p.add_argument("--cpu-threads", type=int, default=None)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args(argv)
     count, length = (int(v) for v in args.prompts.lower().split("x"))
     report = measure(args.model, count, length, args.cpu_threads)
@@ -146,10 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['tier']:<14} {r['ttft_ms_median']:>17.2f} {r['ttft_ms_max']:>8.2f} "
             f"{r['vs_recompute']:>12.3f}x"
         )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.plot:
-        plot(report, args.plot)
+    write_outputs(report, args, plot)
 
 
 if __name__ == "__main__":

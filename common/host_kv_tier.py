@@ -45,6 +45,20 @@ class HostCopies(NamedTuple):
     loads: list[tuple[int, int]]  # (host slot, device block): host → device, run after
 
 
+class SwappedKV(NamedTuple):
+    """A preempted request's blocks that the prefix cache cannot find again (the partial last
+    block, and full blocks whose hash was not known yet), offloaded under keys of their own."""
+
+    first_block: int  # the request's block index of ``keys[0]``
+    keys: list[bytes]
+    num_tokens: int  # its computed tokens when it was preempted
+
+
+def swap_key(request_id: str, block: int, num_tokens: int) -> bytes:
+    """A swapped block's key: never a block hash (those are 32 bytes of SHA-256)."""
+    return f"swap:{request_id}:{block}:{num_tokens}".encode()
+
+
 class HostTierStats(NamedTuple):
     offloaded_blocks: int  # blocks copied to the host tier
     loaded_blocks: int  # blocks copied back (prefix hits served by the host tier)
@@ -63,6 +77,7 @@ class HostTierIndex:
         self._pinned: set[int] = set()  # slots this step's loads read
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        self._released: list[int] = []  # slots forgotten this step: free from the next one
         self._counts = [0, 0, 0]
 
     def __len__(self) -> int:
@@ -91,18 +106,28 @@ class HostTierIndex:
             self._loads.append((self._slots[block_hash], block_id))
         self._counts[1] += len(block_ids)
 
-    def offload(self, block_id: int, block_hash: BlockHash) -> None:
-        """Device block ``block_id`` is about to be reused: keep its KV under ``block_hash``."""
+    def offload(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Device block ``block_id`` is about to be reused: keep its KV under ``block_hash``.
+        False when the tier has no free or unpinned slot (the block is dropped)."""
         if block_hash in self._slots:  # the same KV is already here
             self._slots.move_to_end(block_hash)
-            return
+            return True
         slot = self._take_slot()
         if slot is None:
             self._counts[2] += 1
-            return
+            return False
         self._slots[block_hash] = slot
         self._offloads.append((block_id, slot))
         self._counts[0] += 1
+        return True
+
+    def forget(self, keys: Sequence[BlockHash]) -> None:
+        """Drop ``keys`` (a resumed request's swapped blocks: used once). Their slots are free
+        from the next step on (a load of this step may still read them)."""
+        for key in keys:
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                self._released.append(slot)
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -116,6 +141,8 @@ class HostTierIndex:
     def take_copies(self) -> HostCopies | None:
         """This step's copies (None: none); the next step starts with no pins."""
         self._pinned.clear()
+        self._free += self._released
+        self._released = []
         if not self._offloads and not self._loads:
             return None
         copies = HostCopies(self._offloads, self._loads)
@@ -127,6 +154,7 @@ class HostTierIndex:
         self._slots.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
+        self._released = []
 
     def stats(self) -> HostTierStats:
         return HostTierStats(*self._counts)

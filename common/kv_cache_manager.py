@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from common.block_hash import BlockHash
 from common.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
-from common.host_kv_tier import HostCopies, HostTierIndex
+from common.host_kv_tier import HostCopies, HostTierIndex, SwappedKV, swap_key
 from common.request import Request
 
 
@@ -29,6 +29,7 @@ class ComputedBlocks(NamedTuple):
     blocks: list[KVCacheBlock]
     num_tokens: int
     host_hashes: Sequence[BlockHash] = ()
+    swapped: Sequence[bytes] = ()  # then the request's own swapped blocks (never cached)
 
 
 NO_HIT = ComputedBlocks([], 0)
@@ -92,11 +93,24 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if self.host_tier is None or len(hits) == max_blocks:
+        tier = self.host_tier
+        if tier is None or (len(hits) == max_blocks and request.swapped is None):
             return ComputedBlocks(hits, len(hits) * self.block_size)
         rest = request.block_hashes[len(hits) : max_blocks]
-        host = rest[: len(self.host_tier.lookup(rest))]
-        return ComputedBlocks(hits, (len(hits) + len(host)) * self.block_size, host)
+        host = rest[: len(tier.lookup(rest))]
+        found = len(hits) + len(host)
+        swap = request.swapped
+        if swap is None or not swap.first_block <= found < swap.first_block + len(swap.keys):
+            return ComputedBlocks(hits, found * self.block_size, host)
+        keys = swap.keys[found - swap.first_block :]
+        keys = keys[: len(tier.lookup(keys))]
+        end = found + len(keys)
+        tokens = min(end * self.block_size, swap.num_tokens, request.num_tokens - 1)
+        return (
+            ComputedBlocks(hits, tokens, host, keys)
+            if keys
+            else ComputedBlocks(hits, found * self.block_size, host)
+        )
 
     def record_lookup(self, request: Request, hit: ComputedBlocks) -> None:
         self.stats.queries += request.num_tokens
@@ -144,18 +158,43 @@ class KVCacheManager:
         self.pool.touch(computed.blocks)
         held.extend(computed.blocks)
         ids.extend(b.block_id for b in computed.blocks)
-        host = computed.host_hashes
-        if host:  # before the allocation below evicts (and offloads) anything
-            self.host_tier.pin(host)  # type: ignore[union-attr]
+        tier, host, swapped = self.host_tier, computed.host_hashes, computed.swapped
+        if tier is not None:  # before the allocation below evicts (and offloads) anything
+            tier.pin([*host, *swapped])
         new_blocks = self.pool.get_new_blocks(num_needed)
         held.extend(new_blocks)
         new_ids = [b.block_id for b in new_blocks]
         ids.extend(new_ids)
-        if host:  # the first new blocks are the host tier's hits: copied in, then cached
-            self.host_tier.load(host, new_ids[: len(host)])  # type: ignore[union-attr]
+        if tier is not None:
+            # the first new blocks are the tier's hits: copied in; the shared ones cached
+            tier.load([*host, *swapped], new_ids[: len(host) + len(swapped)])
             for block, block_hash in zip(new_blocks, host):
                 self.pool.cache_block(block, block_hash)
+            if request.swapped is not None:  # used (or not usable): its slots go back
+                tier.forget(request.swapped.keys)
+                request.swapped = None
         return new_ids
+
+    def swap_out(self, request: Request) -> None:
+        """Before a running request is preempted (its blocks freed): offload the blocks the
+        prefix cache cannot find again under the request's own keys (the partial last block,
+        full blocks whose hash is not known yet), so it resumes without recomputing them. The
+        cached ones need nothing: the pool offloads them if it ever evicts them. A tier too
+        full for them all keeps the leading ones; the rest is recomputed."""
+        tier = self.host_tier
+        blocks = self.req_to_blocks.get(request.request_id)
+        if tier is None or not blocks:
+            return
+        if request.swapped is not None:
+            tier.forget(request.swapped.keys)
+        first, n = self.num_cached.get(request.request_id, 0), request.num_computed_tokens
+        keys = []
+        for i in range(first, min(cdiv(n, self.block_size), len(blocks))):
+            key = swap_key(request.request_id, i, n)
+            if not tier.offload(blocks[i].block_id, key):
+                break
+            keys.append(key)
+        request.swapped = SwappedKV(first, keys, n) if keys else None
 
     def take_host_copies(self) -> HostCopies | None:
         """The copies the step being scheduled must run first (``common/host_kv_tier.py``)."""

@@ -17,6 +17,7 @@ import time
 import msgspec
 
 from common.block_hash import BlockHash, hash_blocks, root_hash
+from common.host_kv_tier import SwappedKV
 from common.kv_interface import KVHandle
 from common.sampling_params import SamplingParams
 
@@ -109,6 +110,8 @@ class Request:
         self.spec_resume_at = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until scheduled
         self.num_preemptions = 0
+        # blocks swapped to the host KV tier at its last preemption (common/host_kv_tier.py)
+        self.swapped: SwappedKV | None = None
         self.stop_reason: int | str | None = None
         self.kv_handle: KVHandle | None = None  # set by a producer connector at finish
         self.kv_transfer: KVHandle | None = None  # where this prompt's KV waits (a decode node)

@@ -236,6 +236,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        self.kv.swap_out(request)  # with a host KV tier: what the prefix cache cannot refind
         self.kv.free(request.request_id)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED

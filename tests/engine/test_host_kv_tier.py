@@ -139,6 +139,56 @@ def test_preemption_with_a_host_tier_gives_the_same_tokens(reference):
     llm.check_integrity()
 
 
+SWAP_PROMPTS = [[random.Random(i).randrange(3, 1000) for _ in range(20 + 7 * i)] for i in range(8)]
+SWAP_PARAMS = [
+    SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i, max_tokens=40, ignore_eos=True)
+    for i in range(len(SWAP_PROMPTS))
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
+def _swap_run(num_blocks: int, **args) -> tuple[list[list[int]], LLM]:
+    llm = LLM(model="tiny-llama", block_size=BS, max_model_len=128, num_blocks=num_blocks, **args)
+    outs = llm.generate(SWAP_PROMPTS, SWAP_PARAMS, use_tqdm=False)
+    llm.check_integrity()
+    assert llm.engine.num_free_blocks() == num_blocks
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{"async_scheduling": False}, {"async_scheduling": True}, {"speculative_config": NGRAM}],
+    ids=["serial", "overlapped", "speculative"],
+)
+def test_preempted_requests_swap_through_the_host_tier_and_recompute_nothing(args):
+    """A cache of 30 blocks for 8 requests that grow to ~10 each: requests are preempted, and
+    with a host tier each resumes where it stopped: its cached blocks come back by hash, its
+    partial last block (and any full block whose hash was not known yet) under its own keys.
+    Greedy and seeded tokens equal the unpreempted run's, and not one token is computed twice;
+    without the tier the preempted requests recompute."""
+    want, unpreempted = _swap_run(256, **args)
+    got, swapped = _swap_run(30, kv_offload_gb=0.01, **args)
+    assert got == want
+    assert swapped.engine.scheduler.num_preemptions > 0
+    computed = swapped.engine.scheduler.num_scheduled_tokens
+    assert computed == unpreempted.engine.scheduler.num_scheduled_tokens
+    plain, recomputed = _swap_run(30, **args)
+    assert plain == want
+    assert recomputed.engine.scheduler.num_scheduled_tokens > computed
+
+
+def test_a_tier_too_small_for_the_swap_falls_back_to_recompute():
+    want, unpreempted = _swap_run(256)
+    got, llm = _swap_run(30, kv_offload_gb=0.0001)  # 6 slots of 16 KiB
+    assert got == want
+    stats = llm.engine.stats()
+    assert llm.engine.scheduler.num_preemptions > 0 and stats.host_tier_loaded_blocks > 0
+    assert (
+        llm.engine.scheduler.num_scheduled_tokens
+        > unpreempted.engine.scheduler.num_scheduled_tokens
+    )
+
+
 def test_the_host_tier_is_asked_before_the_store(tmp_path):
     """A consumer that loaded a prompt from the store, evicted it and sees it again loads it
     from its host tier: the store is not read a second time, and the tokens are the same."""
