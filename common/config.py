@@ -98,6 +98,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     max_seq_len_to_capture: int | None = None  # None: max_model_len
+    enable_expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class EngineConfig:
     # ranks the model is split over (common/parallel/): rank 0 in this process, the others
     # in worker processes; 1 is the single-device engine with no extra process
     tensor_parallel_size: int = 1
+    # a mixture-of-experts model under tensor parallelism: each rank holds whole experts, a
+    # share of them (vLLM's --enable-expert-parallel; common/models/moe.py)
+    enable_expert_parallel: bool = False
     # prepare structured outputs (xgrammar, the tokenizer's grammar data) on a worker thread
     # from start-up, so the first grammar costs what the second does (nodes); otherwise from
     # the first constrained request on. Never on the engine loop either way.
@@ -174,6 +178,7 @@ class EngineConfig:
             enforce_eager=self.enforce_eager,
             cuda_graph_sizes=self.cuda_graph_sizes,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
+            enable_expert_parallel=self.enable_expert_parallel,
         )
 
     @staticmethod

@@ -170,6 +170,7 @@ class ModelRunner:
             config.load_format,
             config.seed,
             tp,
+            config.enable_expert_parallel,
         )
         a = self.model.args
         kv_heads = self.model.num_local_kv_heads

@@ -80,6 +80,7 @@ class EngineFlags:
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
+    enable_expert_parallel: bool = False  # a MoE model at TP > 1: experts sharded whole
     speculative_config: str | None = None  # vLLM's JSON; the decode nodes use it
     seed: int | None = None
     enable_prefix_caching: bool | None = None  # --[no-]enable-prefix-caching
@@ -344,7 +345,9 @@ def check_model(config: ClusterConfig) -> str:
 
     hf_config = read(config.model)
     arch = architecture(hf_config)
-    check_tensor_parallel(hf_config, max(config.prefill_tp, config.decode_tp))
+    check_tensor_parallel(
+        hf_config, max(config.prefill_tp, config.decode_tp), config.engine.enable_expert_parallel
+    )
     context = max_model_len(hf_config, config.engine.max_model_len)
     spec = config.engine.speculative_config
     if spec:
@@ -476,6 +479,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of GPU memory a node may use (default 0.9)",
     )
     g("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    g("--enable-expert-parallel", action="store_true",
+      help="a MoE model at tensor-parallel size > 1: shard its experts whole over the ranks")  # fmt: skip
     g("--seed", type=int, default=None, help="seed of the engines' request seeds (default 0)")
     g("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
       help="reuse cached prompt blocks (default on)")  # fmt: skip

@@ -39,6 +39,7 @@ ENGINE_OPTIONS = (
     "kv_offload_gb",
     "gpu_memory_utilization",
     "enforce_eager",
+    "enable_expert_parallel",
     "async_scheduling",
     "tensor_parallel_size",
     "seed",
@@ -79,6 +80,7 @@ class NodeOptions:
     kv_offload_gb: float | None = None
     gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None
+    enable_expert_parallel: bool | None = None
     async_scheduling: bool | None = None
     tensor_parallel_size: int | None = None
     seed: int | None = None
@@ -215,6 +217,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--kv-offload-gb", float, "engine: host memory for KV blocks evicted from the cache (GiB)"),
     ("--gpu-memory-utilization", float, "engine (CUDA): share of GPU memory to use (default 0.9)"),
     ("--enforce-eager", "flag", "engine (CUDA): no decode CUDA graphs"),
+    ("--enable-expert-parallel", "flag", "engine: a MoE model's experts sharded over the TP ranks"),
     ("--async-scheduling", "flag", "engine: schedule the next step while one runs (default: CUDA)"),
     ("--tensor-parallel-size", int, "engine: ranks the model is split over (default 1)"),
     ("--seed", int, "engine: seed of its per-request seeds and dummy weights (default 0)"),

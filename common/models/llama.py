@@ -238,12 +238,17 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, args: LlamaArgs, layer: int, backend: AttentionBackend, tp: TensorParallel | None
+        self,
+        args: LlamaArgs,
+        layer: int,
+        backend: AttentionBackend,
+        tp: TensorParallel | None,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer, backend, tp)
         self.mlp: nn.Module = (
-            SparseMoe(args.moe, args.hidden_size)
+            SparseMoe(args.moe, args.hidden_size, tp if expert_parallel else None)
             if args.moe is not None and layer in args.moe.sparse_layers
             else MLP(args, tp)
         )
@@ -271,7 +276,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         tp: TensorParallel | None = None,
+        expert_parallel: bool = False,
     ) -> None:
+        """``expert_parallel``: a MoE model's experts are sharded whole over ``tp``."""
         super().__init__()
         self.args, self.tp = args, tp
         self.num_local_kv_heads = local_heads(args, tp)[1]  # this rank's slice of the KV cache
@@ -284,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, i, backend, tp) for i in range(args.num_layers)
+            DecoderLayer(args, i, backend, tp, expert_parallel) for i in range(args.num_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.tie_word_embeddings:

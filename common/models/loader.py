@@ -98,32 +98,40 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     tp: TensorParallel | None = None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """Construct the model on ``device`` in ``dtype`` and fill its weights (``tp``: this rank's
-    shard only)."""
+    shard only; ``expert_parallel``: a MoE model's experts sharded whole over ``tp``)."""
     args = LlamaArgs.from_hf(hf_config)
-    check_tensor_parallel(hf_config, tp.size if tp is not None else 1)
+    check_tensor_parallel(hf_config, tp.size if tp is not None else 1, expert_parallel)
     if tp is not None:
         check_divisible(tp.size, args.num_heads, args.num_kv_heads, args.intermediate_size)
     start = time.perf_counter()
-    model = build_on_meta(args, backend, max_positions, tp)
+    model = build_on_meta(args, backend, max_positions, tp, expert_parallel)
     materialize(model, dtype, device)
     if load_format == "dummy":
         _fill_dummy(model, seed)
     else:
-        _load_safetensors(model, model_dir, args, tp)
+        experts = range(args.moe.num_experts if args.moe is not None else 0)
+        if tp is not None and expert_parallel:
+            experts = range(*tp.split(len(experts)))
+        _load_safetensors(model, model_dir, args, tp, experts)
     model.eval()
     logger.info("model loaded in %.2fs (%s, %s)", time.perf_counter() - start, dtype, device)
     return model
 
 
 def build_on_meta(
-    args: LlamaArgs, backend: AttentionBackend, max_positions: int, tp: TensorParallel | None
+    args: LlamaArgs,
+    backend: AttentionBackend,
+    max_positions: int,
+    tp: TensorParallel | None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """The model's modules with ``meta`` parameters: shapes only, nothing allocated or
     initialised (``materialize`` gives it storage)."""
     with torch.device("meta"):
-        return LlamaForCausalLM(args, backend, max_positions, tp)
+        return LlamaForCausalLM(args, backend, max_positions, tp, expert_parallel)
 
 
 def materialize(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
@@ -166,8 +174,15 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def _load_safetensors(
-    model: LlamaForCausalLM, model_dir: Path, args: LlamaArgs, tp: TensorParallel | None
+    model: LlamaForCausalLM,
+    model_dir: Path,
+    args: LlamaArgs,
+    tp: TensorParallel | None,
+    experts: range,
 ) -> None:
+    """``experts``: the MoE experts this rank holds, whole (all of them but under expert
+    parallelism); a stacked expert tensor is read in that range, a per-expert one only when
+    its expert is in it."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _checkpoint_files(model_dir)
@@ -177,13 +192,25 @@ def _load_safetensors(
                 target = _map_name(hf_name, args)
                 if target is None:
                     continue
-                if tp is None:
+                if ".experts." in target.name:
+                    if target.expert is not None and target.expert not in experts:
+                        continue  # another rank's expert
+                    tensor = f.get_slice(hf_name)
+                    tensor = (
+                        tensor[:]
+                        if target.expert is not None
+                        else tensor[experts.start : experts.stop]
+                    )
+                    target = target._replace(
+                        expert=None if target.expert is None else target.expert - experts.start
+                    )
+                elif tp is None:
                     tensor = f.get_tensor(hf_name)
                 else:
                     tensor = _read_shard(f, hf_name, target.name, target.shard, args, tp)
                 _copy_into(params[target.name], tensor, target, args, tp)
                 loaded.add(target.key)
-    _check_complete(params, loaded, args)
+    _check_complete(params, loaded, args, len(experts))
 
 
 def _map_name(hf_name: str, args: LlamaArgs) -> Target | None:
@@ -264,21 +291,24 @@ def _copy_into(
     dst.copy_(tensor.to(dst.dtype))  # cast on the host: no wider copy on the device
 
 
-def _check_complete(params: Mapping[str, torch.Tensor], loaded: set[str], args: LlamaArgs) -> None:
+def _check_complete(
+    params: Mapping[str, torch.Tensor], loaded: set[str], args: LlamaArgs, num_experts: int
+) -> None:
+    """``num_experts``: the experts this rank holds (numbered from 0 here)."""
     missing = []
     for name in params:
         if args.tie_word_embeddings and name == "lm_head.weight":
             continue
-        if name not in loaded and any(k not in loaded for k in _pieces(name, args)):
+        if name not in loaded and any(k not in loaded for k in _pieces(name, num_experts)):
             missing.append(name)
     if missing:
         more = "…" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{more}")
 
 
-def _pieces(name: str, args: LlamaArgs) -> list[str]:
+def _pieces(name: str, num_experts: int) -> list[str]:
     """The keys that, all loaded, fill parameter ``name`` piece by piece (none: only whole)."""
-    experts = range(args.moe.num_experts) if args.moe is not None and ".experts." in name else None
+    experts = range(num_experts) if ".experts." in name else None
     if experts is not None:
         shards = (0, 1) if name.endswith("gate_up_proj") else (None,)
         return [Target(name, s, e).key for e in experts for s in shards]

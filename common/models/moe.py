@@ -21,13 +21,14 @@ can replace it (issue 30 item 2). Its plain-PyTorch form follows transformers' d
 
 so greedy decoding matches HF token for token. The loop is over experts, never tokens; the
 per-expert row counts are read on the host once per layer (a sync on a GPU, and why this path
-cannot be captured in a CUDA graph: the fused kernel keeps the counts on the device).
+cannot be captured in a CUDA graph: the fused kernel keeps the counts on the device). Under
+expert parallelism the same path runs over a rank's experts only (``SparseMoe``'s ``ep``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from torch import nn
 
 from common.models.preflight import MOE_ARCHITECTURES
 from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
+
+if TYPE_CHECKING:
+    from common.parallel.group import TensorParallel
 
 _ops = torch.ops.pdserve
 
@@ -105,18 +109,51 @@ def fused_experts(
     ``topk_weights (T, k)`` (fp32 or the model dtype: the product is taken in the wider one,
     summed over the k slots, then cast), ``topk_ids (T, k)`` int64. Mutates no input.
     """
+    slots = expert_slots(x, gate_up, down, topk_ids, 0, gate_up.shape[0])
+    return combine_slots(slots, topk_weights, x.dtype)
+
+
+def expert_slots(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first: int,
+    num_experts: int,
+) -> torch.Tensor:
+    """Each (token, slot)'s expert output ``(T, k, H)``, for the slots whose expert is one of
+    ``gate_up``/``down``'s (global ids ``first, first + 1, …``); the other slots are zero (an
+    expert-parallel rank's share: the ranks' shares add up exactly, each slot being nonzero on
+    one rank only). ``num_experts``: the model's, for the routing ids."""
     num_tokens, k = topk_ids.shape
     flat_ids = topk_ids.flatten()  # (T k,) assignment t k + j
     order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
-    rows = x[order // k]  # (T k, H) each assignment's token
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()  # host read
-    groups = rows.split(counts)  # (n_e, H) each
-    out = torch.cat(
-        [_expert_mlp(g, gate_up[e], down[e]) for e, g in enumerate(groups) if counts[e]]
-    )  # (T k, H), still grouped by expert
-    slots = torch.empty_like(out).index_copy_(0, order, out).view(num_tokens, k, -1)  # (T, k, H)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host read
+    local = counts[first : first + gate_up.shape[0]]
+    begin, num_mine = sum(counts[:first]), sum(local)
+    whole = num_mine == num_tokens * k
+    # this rank's assignments, grouped by expert (all of them on one device)
+    mine = order if whole else order[begin : begin + num_mine]
+    slots = (
+        x.new_empty(num_tokens * k, x.shape[1])
+        if whole
+        else x.new_zeros(num_tokens * k, x.shape[1])
+    )
+    if num_mine:
+        groups = x[mine // k].split(local)  # (n_e, H) each
+        out = torch.cat(
+            [_expert_mlp(g, gate_up[e], down[e]) for e, g in enumerate(groups) if local[e]]
+        )  # (n, H), still grouped by expert
+        slots.index_copy_(0, mine, out)
+    return slots.view(num_tokens, k, -1)
+
+
+def combine_slots(
+    slots: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The routing-weighted sum over the k slots ``(T, k, H) → (T, H)``, cast to ``dtype``."""
     summed = (slots * topk_weights.unsqueeze(-1)).sum(dim=1)  # (T, H)
-    return summed if summed.dtype == x.dtype else summed.to(x.dtype)
+    return summed if summed.dtype == dtype else summed.to(dtype)
 
 
 def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -129,12 +166,20 @@ class SparseMoe(nn.Module):
 
     ``gate``: the router ``(E, H)``; ``experts.gate_up_proj (E, 2 I, H)`` and
     ``experts.down_proj (E, H, I)`` as transformers 5 holds them (the loader also fills them
-    from per-expert checkpoints)."""
+    from per-expert checkpoints). ``ep``: the tensor-parallel group its experts are sharded
+    over (expert parallelism): this rank holds experts ``ep.split(E)``, whole; every rank
+    routes every token (the router is replicated and its input identical on all ranks), fills
+    the slots of its own experts and one all-reduce of the ``(T, k, H)`` slots gives every rank
+    all of them, exactly (each slot is nonzero on one rank), before the same weighted sum as
+    on one device."""
 
-    def __init__(self, args: MoeArgs, hidden_size: int) -> None:
+    def __init__(self, args: MoeArgs, hidden_size: int, ep: TensorParallel | None = None) -> None:
         super().__init__()
+        self.num_experts = args.num_experts
+        self.first, last = ep.split(args.num_experts) if ep is not None else (0, args.num_experts)
+        self.ep = ep
         self.gate = nn.Linear(hidden_size, args.num_experts, bias=False)
-        self.experts = Experts(args, hidden_size)
+        self.experts = Experts(args, hidden_size, last - self.first)
         self.top_k, self.renormalize = args.top_k, args.renormalize
         self.fp32_weights = args.fp32_weights
 
@@ -142,22 +187,36 @@ class SparseMoe(nn.Module):
         logits = self.gate(x)  # (T, E) in the model dtype
         dtype = torch.float32 if self.fp32_weights else logits.dtype
         weights, ids = route(logits, self.top_k, self.renormalize, dtype)
-        return self.experts(x, weights, ids)
+        if self.ep is None:
+            return self.experts(x, weights, ids)
+        slots = self.experts.slots(x, ids, self.first, self.num_experts)
+        return combine_slots(self.ep.all_reduce(slots), weights, x.dtype)
 
 
 class Experts(nn.Module):
     """The stacked expert weights; ``forward`` is ``fused_experts`` over them."""
 
-    def __init__(self, args: MoeArgs, hidden_size: int) -> None:
+    def __init__(self, args: MoeArgs, hidden_size: int, num_local: int) -> None:
         super().__init__()
-        e, inter = args.num_experts, args.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * inter, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(e, hidden_size, inter))
+        inter = args.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the plain MoE path reads expert counts on the host and cannot be captured in a"
-                " CUDA graph: run with enforce_eager=True"
-            )
+        _refuse_capture(x)
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+    def slots(
+        self, x: torch.Tensor, ids: torch.Tensor, first: int, num_experts: int
+    ) -> torch.Tensor:
+        """``expert_slots`` of this rank's experts (global ids from ``first``)."""
+        _refuse_capture(x)
+        return expert_slots(x, self.gate_up_proj, self.down_proj, ids, first, num_experts)
+
+
+def _refuse_capture(x: torch.Tensor) -> None:
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the plain MoE path reads expert counts on the host and cannot be captured in a"
+            " CUDA graph: run with enforce_eager=True"
+        )

@@ -27,15 +27,20 @@ def architecture(hf_config: dict[str, Any]) -> str:
     return arch
 
 
-def check_tensor_parallel(hf_config: dict[str, Any], size: int) -> None:
+def check_tensor_parallel(
+    hf_config: dict[str, Any], size: int, expert_parallel: bool = False
+) -> None:
     """ValueError when the model cannot be split over ``size`` ranks: a mixture-of-experts
-    model runs on one device only (its experts are not sharded yet)."""
+    model's experts are sharded whole across the ranks (``expert_parallel``), never sliced."""
     arch = architecture(hf_config)
-    if size > 1 and arch in MOE_ARCHITECTURES:
+    if size > 1 and arch in MOE_ARCHITECTURES and not expert_parallel:
         raise ValueError(
-            f"{arch} does not run under tensor parallelism yet (tensor_parallel_size {size}):"
-            " serve it with tensor_parallel_size 1"
+            f"{arch} shards its experts across ranks: at tensor_parallel_size {size} pass"
+            " --enable-expert-parallel (or serve it with tensor_parallel_size 1)"
         )
+    experts = int(hf_config.get("num_local_experts") or hf_config.get("num_experts") or 0)
+    if size > 1 and expert_parallel and arch in MOE_ARCHITECTURES and experts < size:
+        raise ValueError(f"{experts} experts cannot be sharded over {size} ranks")
 
 
 def max_model_len(hf_config: dict[str, Any], asked: int | None) -> int:

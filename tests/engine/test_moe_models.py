@@ -219,20 +219,23 @@ def test_a_missing_expert_is_named(tmp_path):
         _load(per_expert)
 
 
-def test_tensor_parallelism_is_refused_in_one_line():
+def test_tensor_parallelism_without_expert_parallelism_is_refused_in_one_line():
     config = json.loads((resolve_model_path("tiny-mixtral") / "config.json").read_text())
     check_tensor_parallel(config, 1)
-    with pytest.raises(ValueError, match="MixtralForCausalLM does not run under tensor para"):
+    with pytest.raises(ValueError, match="MixtralForCausalLM shards its experts across ranks"):
         check_tensor_parallel(config, 2)
+    check_tensor_parallel(config, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="4 experts cannot be sharded over 8 ranks"):
+        check_tensor_parallel(config, 8, expert_parallel=True)
     dense = json.loads((resolve_model_path("tiny-llama") / "config.json").read_text())
     check_tensor_parallel(dense, 2)
     backend = get_attention_backend("torch", torch.device("cpu"))
-    with pytest.raises(ValueError, match="tensor_parallel_size 2"):  # the engine's ranks too
+    with pytest.raises(ValueError, match="enable-expert-parallel"):  # the engine's ranks too
         cpu, tp = torch.device("cpu"), SimpleNamespace(size=2)
         build_model(Path("unused"), config, torch.float32, cpu, backend, 64, tp=tp)  # type: ignore[arg-type]
 
 
-def test_up_refuses_a_moe_model_at_tensor_parallel_size_2():
+def test_up_refuses_a_moe_model_at_tensor_parallel_size_2_without_expert_parallelism():
     from launcher.cluster_config import ClusterConfig, check_model
     from pdserve_cli import build_parser
 
@@ -240,8 +243,11 @@ def test_up_refuses_a_moe_model_at_tensor_parallel_size_2():
         return ClusterConfig.from_args(build_parser().parse_args(["up", *argv]))
 
     assert check_model(config("--model", "tiny-qwen3-moe")).startswith("Qwen3MoeForCausalLM")
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM does not run under tensor"):
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM shards its experts across"):
         check_model(config("--model", "tiny-qwen3-moe", "--decode-tp", "2"))
+    ep = config("--model", "tiny-qwen3-moe", "--decode-tp", "2", "--enable-expert-parallel")
+    assert check_model(ep).startswith("Qwen3MoeForCausalLM")
+    assert "--enable-expert-parallel" in ep.node_argv()
 
 
 # ------------------------------------------------------------------------------ greedy vs HF
