@@ -23,14 +23,11 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto.convert import finish_reason_from_proto
 
 from common.beam_search import BeamSearch, TopLogprobs
 from common.sampling_params import SamplingParams
-from router.balancer import PromptInfo
-from router.deadlines import NodeLost
 from router.registry import Instance, Role
 from router.sample import SampleDelta, SampleState, to_proto_sampling
 
@@ -92,18 +89,11 @@ class _DecodeRounds:
     async def run(self, outputs: list[list[int]], handle: pb.KVHandle | None) -> list[TopLogprobs]:
         """Each beam's next-token candidates (in ``outputs`` order), from one decode node;
         another node reruns the whole round when that one fails. Raises RouterError."""
-        from router.flow import _NodeGaveUp
+        from router.flow import DECODE_FAILURES, DecodeAttempts
 
-        flow, failures, last = self.flow, 0, None
-        while failures <= flow.config.max_retries:
-            if self.instance is None:
-                candidates = flow.registry.candidates(Role.DECODE, frozenset(self.tried))
-                if not candidates:
-                    break
-                prompt = PromptInfo(len(self.spec.prompt_token_ids), (), 0)  # no affinity
-                self.instance = flow.decode_policy.choose(candidates, prompt)
-                self.tried.add(self.instance.instance_id)
-            instance = self.instance
+        attempts = DecodeAttempts(self.flow, self.spec, self.usage, self.tried)
+        while (instance := attempts.next(pinned=self.instance)) is not None:
+            self.instance = instance
             try:
                 calls = [self._score(instance, i, out, handle) for i, out in enumerate(outputs)]
                 results = await asyncio.gather(*calls, return_exceptions=True)
@@ -111,15 +101,10 @@ class _DecodeRounds:
                 if errors:
                     raise errors[0]
                 return results  # type: ignore[return-value]
-            except grpc.aio.AioRpcError as exc:
-                last = flow._on_rpc_error(self.spec, instance, exc, "decode")
-            except (_NodeGaveUp, NodeLost, asyncio.TimeoutError):
-                flow.registry.gave_up_on(instance)
-                last = flow._failed_on(self.spec, instance)
+            except (*DECODE_FAILURES, asyncio.TimeoutError) as exc:
+                attempts.failed(instance, exc)
             self.instance, handle = None, None  # the next node computes the prompt itself
-            failures += 1
-            self.usage.migrations += 1
-        raise flow._exhausted("decode", last, self.tried)
+        raise attempts.exhausted()
 
     async def _score(
         self, instance: Instance, beam: int, output: list[int], handle: pb.KVHandle | None

@@ -167,6 +167,53 @@ class _NodeGaveUp(Exception):
     """A node ended a request it should have finished (ABORT/ERROR, or a truncated stream)."""
 
 
+class DecodeAttempts:
+    """The decode instances one piece of a request tries in turn (a sample's stream, or a
+    beam search's rounds): each untried, healthy one the policy chooses (``pinned``: keep the
+    one that served so far), at most ``max_retries`` failures; a failure is judged as every
+    decode failure is (``failed``), and ``exhausted`` says why none is left."""
+
+    def __init__(self, flow: RequestFlow, spec: GenerateSpec, usage: Usage, tried: set[str]):
+        self.flow, self.spec, self.usage, self.tried = flow, spec, usage, tried
+        self.failures = 0
+        self.last: _Fault | None = None
+
+    def next(self, pinned: Instance | None = None) -> Instance | None:
+        """The instance to try now (None: out of options: raise ``exhausted()``)."""
+        if self.failures > self.flow.config.max_retries:
+            return None
+        if pinned is not None:
+            return pinned
+        candidates = self.flow.registry.candidates(Role.DECODE, frozenset(self.tried))
+        if not candidates:
+            return None
+        prompt = PromptInfo(len(self.spec.prompt_token_ids), (), 0)  # decode has no affinity
+        instance = self.flow.decode_policy.choose(candidates, prompt)
+        self.tried.add(instance.instance_id)
+        return instance
+
+    def failed(self, instance: Instance, exc: BaseException) -> None:
+        """``instance`` failed this attempt with ``exc`` (a failed call, a node that gave up,
+        one lost or past its deadline); raises RouterError when the request itself is to
+        blame or is now quarantined."""
+        flow = self.flow
+        if isinstance(exc, grpc.aio.AioRpcError):
+            self.last = flow._on_rpc_error(self.spec, instance, exc, "decode")
+        else:
+            logger.warning("decode on %s gave up: %s", instance.address, exc)
+            flow.registry.gave_up_on(instance)
+            self.last = flow._failed_on(self.spec, instance)
+        self.failures += 1
+        self.usage.migrations += 1
+
+    def exhausted(self) -> RouterError:
+        return self.flow._exhausted("decode", self.last, self.tried)
+
+
+# what a decode attempt that failed on its node raises (DecodeAttempts.failed judges them)
+DECODE_FAILURES = (grpc.aio.AioRpcError, _NodeGaveUp, NodeLost)
+
+
 class _NoPrefillPath(Exception):
     """No prefill instance gave the sample its first token. ``reason``: ``"no_prefill"`` (none
     was healthy) or ``"prefill_failed"`` (every attempt failed first); ``error`` is what the
@@ -368,18 +415,10 @@ class RequestFlow:
         """Stream from a decode instance (tokens counted in ``usage``); when it fails, resume on
         another from the tokens already sent (none yet, and no handle: a prefill fallback, the node runs it all).
         Ends when the sample finishes; raises RouterError when out of options."""
-        tried: set[str] = set()
-        failures = 0
-        last_fault: _Fault | None = None
-        prompt = PromptInfo(len(spec.prompt_token_ids), (), 0)  # decode has no affinity
-        while failures <= self.config.max_retries:
-            candidates = self.registry.candidates(Role.DECODE, frozenset(tried))
-            if not candidates:
-                break
-            instance = self.decode_policy.choose(candidates, prompt)
-            tried.add(instance.instance_id)
+        attempts = DecodeAttempts(self, spec, usage, set())
+        while (instance := attempts.next()) is not None:
             request = pb.DecodeRequest(
-                request_id=spec.upstream_id(index, f"d{failures}"),
+                request_id=spec.upstream_id(index, f"d{attempts.failures}"),
                 prompt_token_ids=spec.prompt_token_ids,
                 output_token_ids=state.token_ids,
                 kv_handle=kv_handle,
@@ -394,21 +433,15 @@ class RequestFlow:
                 if state.finished:
                     return
                 raise _NodeGaveUp("stream ended before the request finished")
-            except grpc.aio.AioRpcError as exc:
-                last_fault = self._on_rpc_error(spec, instance, exc, "decode")
-            except (_NodeGaveUp, NodeLost) as exc:
-                logger.warning("decode on %s gave up: %s", instance.address, exc)
-                self.registry.gave_up_on(instance)
-                last_fault = self._failed_on(spec, instance)
-            failures += 1
-            usage.migrations += 1
+            except DECODE_FAILURES as exc:
+                attempts.failed(instance, exc)
             logger.info(
                 "resuming %s sample %d after %d tokens",
                 spec.request_id,
                 index,
                 len(state.token_ids),
             )
-        raise self._exhausted("decode", last_fault, tried)
+        raise attempts.exhausted()
 
     async def _stream_decode(
         self, instance: Instance, request: pb.DecodeRequest, state: SampleState
