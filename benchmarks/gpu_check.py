@@ -56,6 +56,7 @@ from benchmarks.gpu_check_measure import (
     env_section,
     environment,
     host_step,
+    host_tier_copies,
     kv_load,
     mixed_step,
     prefill_vs_sdpa,
@@ -79,6 +80,7 @@ SECTIONS = [
     Section("mixed step", mixed_step, False, 10),
     Section("profiler", profiled_step, False, 10),
     Section("sampler share", sampler_share, False, 5),
+    Section("host KV tier", host_tier_copies, False, 5),
     Section("throughput vs HF", throughput_vs_hf, False, 40),
     Section("host step", host_step, False, 10),  # after the shared engine's last use
     Section("KV load vs recompute", kv_load, False, 30),

@@ -385,6 +385,38 @@ def sampler_share(ctx: Context) -> list[Row]:
     return out
 
 
+def host_tier_copies(ctx: Context) -> list[Row]:
+    """The host KV tier's step copies (``common/host_kv_tier.py``: offloads, then loads, of
+    whole blocks of the run's cache shape) against raw pinned copies of the same bytes (one
+    contiguous device-to-host and one host-to-device copy): what the tier's gather, scatter and
+    per-block copies cost over the link's own speed. The cache's prefix entries are dropped
+    after: the loads wrote blocks some of them name."""
+    from common.host_kv_tier import HostCopies, HostKVTier
+
+    llm, dev = shared_llm(ctx), ctx.device
+    runner = llm.engine.runner
+    n = min(64, runner.num_blocks // 2)
+    tier = HostKVTier(n, runner.kv_cache)
+    copies = HostCopies([(b, b) for b in range(n)], [(s, n + s) for s in range(n)])
+    nbytes = 2 * n * runner.spec.bytes_per_block
+    ms = timed_ms(lambda: tier.copy(copies, runner.kv_cache), dev, repeat=10)
+    flat = runner.kv_cache.new_empty(nbytes // 2 // runner.kv_cache.element_size())
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=dev.type == "cuda")
+
+    def raw() -> None:
+        host.copy_(flat, non_blocking=True)
+        flat.copy_(host, non_blocking=True)
+
+    raw_ms = timed_ms(raw, dev, repeat=10)
+    llm.engine.kv_cache_manager.reset_prefix_cache()
+    gbps, ratio = nbytes / ms / 1e6, raw_ms / ms
+    measured = (
+        f"{n} blocks out + {n} in: {ms:.2f} ms, {gbps:.1f} GB/s = {ratio:.0%} of raw pinned"
+        f" copies ({raw_ms:.2f} ms)"
+    )
+    return [Row.perf("host KV tier copies", None, measured, "info", ms=ms, raw_ms=raw_ms)]
+
+
 # -- throughput and the KV path -------------------------------------------------------------------
 def throughput_vs_hf(ctx: Context) -> list[Row]:
     """The nano-vllm workload, short form: pdserve's ``generate`` against HF's in one run."""
