@@ -417,6 +417,36 @@ def host_tier_copies(ctx: Context) -> list[Row]:
     return [Row.perf("host KV tier copies", None, measured, "info", ms=ms, raw_ms=raw_ms)]
 
 
+def fp8_gemm(ctx: Context) -> list[Row]:
+    """The FP8 projection (``common/models/fp8.py``: per-token e4m3 activations, per-channel
+    weights, one ``torch._scaled_mm``) at the run shape's widest projection (gate|up) and the
+    larger decode batch, against the same GEMM in the run's dtype: its error against the
+    dequantized product (correctness) and its time (CUDA: FP8 tensor cores on sm_89+)."""
+    from common.models.fp8 import FP8, FP8_MAX, fp8_matmul, quantize_rows
+    from common.models.shapes import SHAPES
+
+    dev, p = ctx.device, ctx.profile
+    shape = SHAPES[p.shape]
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    dtype = getattr(torch, p.dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(p.batches[-1], hidden, generator=g).to(dev, dtype)
+    w = (torch.randn(2 * inter, hidden, generator=g) * 0.02).to(dev, dtype)
+    w8, scale = quantize_rows(w)
+    got = fp8_matmul(x, w8, scale).float()
+    x_scale = x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    want = ((x.float() / x_scale).to(FP8).float() * x_scale) @ (w8.float() * scale).t()
+    err = float(((got - want).norm() / want.norm()).item())
+    ok = err <= 1e-2
+    rows = [Row.check("fp8 GEMM == dequantized product", ok, f"relative error {err:.1e}",
+                      "<= 1e-2")]  # fmt: skip
+    ms8 = timed_ms(lambda: fp8_matmul(x, w8, scale), dev, repeat=20)
+    ms = timed_ms(lambda: torch.nn.functional.linear(x, w), dev, repeat=20)
+    measured = f"{ms8:.3f} ms vs {ms:.3f} ms in {p.dtype} ({x.shape[0]} x {hidden} x {2 * inter})"
+    rows.append(Row.perf("fp8 GEMM time", None, measured, "info", ms_fp8=ms8, ms=ms))
+    return rows
+
+
 # -- throughput and the KV path -------------------------------------------------------------------
 def throughput_vs_hf(ctx: Context) -> list[Row]:
     """The nano-vllm workload, short form: pdserve's ``generate`` against HF's in one run."""

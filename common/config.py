@@ -99,6 +99,7 @@ class RunnerConfig:
     cuda_graph_sizes: tuple[int, ...] | None = None
     max_seq_len_to_capture: int | None = None  # None: max_model_len
     enable_expert_parallel: bool = False
+    quantization: str | None = None  # "fp8": quantize the projections at load
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ class EngineConfig:
     # a mixture-of-experts model under tensor parallelism: each rank holds whole experts, a
     # share of them (vLLM's --enable-expert-parallel; common/models/moe.py)
     enable_expert_parallel: bool = False
+    # "fp8": the decoder's projections as FP8 GEMMs, quantized at load (vLLM's --quantization);
+    # an FP8 checkpoint is served as FP8 whatever this says (common/models/fp8.py)
+    quantization: str | None = None
     # prepare structured outputs (xgrammar, the tokenizer's grammar data) on a worker thread
     # from start-up, so the first grammar costs what the second does (nodes); otherwise from
     # the first constrained request on. Never on the engine loop either way.
@@ -156,6 +160,8 @@ class EngineConfig:
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
         if self.cuda_graph_sizes is not None and any(s < 1 for s in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be >= 1, got {self.cuda_graph_sizes}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unsupported quantization {self.quantization!r}; use fp8")
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
@@ -179,6 +185,7 @@ class EngineConfig:
             cuda_graph_sizes=self.cuda_graph_sizes,
             max_seq_len_to_capture=self.max_seq_len_to_capture,
             enable_expert_parallel=self.enable_expert_parallel,
+            quantization=self.quantization,
         )
 
     @staticmethod

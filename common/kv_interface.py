@@ -26,6 +26,9 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # the weights' quantization when the engine quantized them at load (their KV differs from
+    # the checkpoint's: the fingerprint must tell them apart); None: as the checkpoint holds them
+    weight_quantization: str | None = None
 
     @property
     def bytes_per_block(self) -> int:

@@ -171,6 +171,7 @@ class ModelRunner:
             config.seed,
             tp,
             config.enable_expert_parallel,
+            config.quantization,
         )
         a = self.model.args
         kv_heads = self.model.num_local_kv_heads
@@ -179,8 +180,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.spec = KVCacheSpec(a.num_layers, kv_heads, a.head_dim, self.block_size, self.dtype)
         # what a KV store entry holds: every KV head, whatever the tensor-parallel size
+        quantized = config.quantization if not a.fp8 else None  # (an FP8 config says so itself)
         self.store_spec = KVCacheSpec(
-            a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype
+            a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype, quantized
         )
         blocks_per_seq = -(-max_model_len // self.block_size)
         self.inputs = InputBuffers(

@@ -81,6 +81,7 @@ class EngineFlags:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
     enable_expert_parallel: bool = False  # a MoE model at TP > 1: experts sharded whole
+    quantization: str | None = None  # "fp8": the projections quantized at load
     speculative_config: str | None = None  # vLLM's JSON; the decode nodes use it
     seed: int | None = None
     enable_prefix_caching: bool | None = None  # --[no-]enable-prefix-caching
@@ -479,6 +480,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of GPU memory a node may use (default 0.9)",
     )
     g("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    g("--quantization", choices=["fp8"], default=None,
+      help="fp8: the projections as FP8 GEMMs, quantized at load (FP8 checkpoints: automatic)")  # fmt: skip
     g("--enable-expert-parallel", action="store_true",
       help="a MoE model at tensor-parallel size > 1: shard its experts whole over the ranks")  # fmt: skip
     g("--seed", type=int, default=None, help="seed of the engines' request seeds (default 0)")

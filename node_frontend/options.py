@@ -40,6 +40,7 @@ ENGINE_OPTIONS = (
     "gpu_memory_utilization",
     "enforce_eager",
     "enable_expert_parallel",
+    "quantization",
     "async_scheduling",
     "tensor_parallel_size",
     "seed",
@@ -81,6 +82,7 @@ class NodeOptions:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None
     enable_expert_parallel: bool | None = None
+    quantization: str | None = None
     async_scheduling: bool | None = None
     tensor_parallel_size: int | None = None
     seed: int | None = None
@@ -218,6 +220,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--gpu-memory-utilization", float, "engine (CUDA): share of GPU memory to use (default 0.9)"),
     ("--enforce-eager", "flag", "engine (CUDA): no decode CUDA graphs"),
     ("--enable-expert-parallel", "flag", "engine: a MoE model's experts sharded over the TP ranks"),
+    ("--quantization", str, "engine: fp8 = the projections as FP8 GEMMs, quantized at load"),
     ("--async-scheduling", "flag", "engine: schedule the next step while one runs (default: CUDA)"),
     ("--tensor-parallel-size", int, "engine: ranks the model is split over (default 1)"),
     ("--seed", int, "engine: seed of its per-request seeds and dummy weights (default 0)"),

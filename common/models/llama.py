@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata
+from common.models.fp8 import checkpoint_quantization, projection
 from common.models.moe import MoeArgs, SparseMoe
 from common.models.preflight import architecture
 from common.parallel.group import TensorParallel
-from common.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from common.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
 
 _ops = torch.ops.pdserve
@@ -61,6 +62,7 @@ class LlamaArgs:
     qk_norm: bool  # Qwen3: RMSNorm of each q and k head before RoPE
     tie_word_embeddings: bool
     moe: MoeArgs | None = None  # Mixtral, Qwen3-MoE: the sparse MLP (``common/models/moe.py``)
+    fp8: bool = False  # an FP8 checkpoint: the projections are ``Fp8Linear`` (common/models/fp8)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> LlamaArgs:
@@ -84,6 +86,7 @@ class LlamaArgs:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             moe=MoeArgs.from_hf(cfg, arch),
+            fp8=checkpoint_quantization(cfg) == "fp8",
         )
 
 
@@ -178,12 +181,9 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.q_size = self.num_heads * args.head_dim
         self.kv_size = self.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias)
-        self.o_proj: nn.Module = (
-            nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
-            if tp is None
-            else RowParallelLinear(self.q_size, args.hidden_size, args.o_bias, tp)
-        )
+        qkv = self.q_size + 2 * self.kv_size
+        self.qkv_proj = projection(args.hidden_size, qkv, args.qkv_bias, args.fp8)
+        self.o_proj = projection(self.q_size, args.hidden_size, args.o_bias, args.fp8, tp)
         self.scale = args.head_dim**-0.5
         self.backend = backend
         if args.qk_norm:
@@ -225,12 +225,8 @@ class MLP(nn.Module):
     def __init__(self, args: LlamaArgs, tp: TensorParallel | None) -> None:
         super().__init__()
         inter = args.intermediate_size // (tp.size if tp is not None else 1)
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * inter, bias=False)
-        self.down_proj: nn.Module = (
-            nn.Linear(inter, args.hidden_size, bias=False)
-            if tp is None
-            else RowParallelLinear(inter, args.hidden_size, False, tp)
-        )
+        self.gate_up_proj = projection(args.hidden_size, 2 * inter, False, args.fp8)
+        self.down_proj = projection(inter, args.hidden_size, False, args.fp8, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(_ops.silu_and_mul(self.gate_up_proj(x)))

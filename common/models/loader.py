@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch import nn
 from tqdm import tqdm
 
 from common.attention import AttentionBackend
+from common.models.fp8 import FP8, quantize_model
 from common.models.llama import LlamaArgs, LlamaForCausalLM, local_heads
 from common.models.preflight import check_tensor_parallel
 from common.parallel.group import TensorParallel, check_divisible
@@ -99,9 +101,14 @@ def build_model(
     seed: int = 0,
     tp: TensorParallel | None = None,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Construct the model on ``device`` in ``dtype`` and fill its weights (``tp``: this rank's
-    shard only; ``expert_parallel``: a MoE model's experts sharded whole over ``tp``)."""
+    shard only; ``expert_parallel``: a MoE model's experts sharded whole over ``tp``;
+    ``quantization``: ``"fp8"`` quantizes an unquantized checkpoint's projections at load, an
+    FP8 checkpoint loads as FP8 either way, ``common/models/fp8.py``)."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unsupported quantization {quantization!r}; use fp8")
     args = LlamaArgs.from_hf(hf_config)
     check_tensor_parallel(hf_config, tp.size if tp is not None else 1, expert_parallel)
     if tp is not None:
@@ -116,6 +123,8 @@ def build_model(
         if tp is not None and expert_parallel:
             experts = range(*tp.split(len(experts)))
         _load_safetensors(model, model_dir, args, tp, experts)
+    if quantization == "fp8" and not args.fp8:
+        quantize_model(model)
     model.eval()
     logger.info("model loaded in %.2fs (%s, %s)", time.perf_counter() - start, dtype, device)
     return model
@@ -142,9 +151,11 @@ def materialize(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.devic
     (the values a model built there had before)."""
     made: dict[int, nn.Parameter] = {}  # a tied parameter is one object: made once
     for module in model.modules():
+        keep = getattr(module, "KEEP_DTYPE", ())  # FP8 weights and their fp32 scales
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in made:
-                data = torch.empty(param.shape, dtype=dtype, device=device)
+                kind = param.dtype if name in keep else dtype
+                data = torch.empty(param.shape, dtype=kind, device=device)
                 made[id(param)] = nn.Parameter(data, requires_grad=False)
             setattr(module, name, made[id(param)])
     with torch.device(device):
@@ -215,8 +226,8 @@ def _load_safetensors(
 
 def _map_name(hf_name: str, args: LlamaArgs) -> Target | None:
     """HF tensor name → where it goes (None: not a weight of ours)."""
-    if "rotary_emb" in hf_name:
-        return None
+    if "rotary_emb" in hf_name or hf_name.endswith(".input_scale"):
+        return None  # (FP8: activations are scaled per token, never by a static scale)
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
     if name == "lm_head.weight" and args.tie_word_embeddings:
         return None
@@ -244,6 +255,10 @@ def _read_shard(
 ) -> torch.Tensor:
     """This rank's slice of one checkpoint tensor, read without reading the rest."""
     part = f.get_slice(hf_name)
+    if name.endswith(".weight_scale") and math.prod(part.get_shape()) == 1:
+        return f.get_tensor(hf_name)  # one scale for the whole tensor: every rank's rows
+    if name.endswith(("o_proj.weight_scale", "down_proj.weight_scale")):
+        return f.get_tensor(hf_name)  # row-parallel: the output channels are whole on each rank
     d = a.head_dim
     if shard is not None and "qkv_proj" in name:
         if shard == 0:
@@ -276,6 +291,8 @@ def _copy_into(
     tp: TensorParallel | None = None,
 ) -> None:
     dst = param.data if target.expert is None else param.data[target.expert]
+    if dst.dtype == FP8 and target.expert is not None:
+        raise ValueError("FP8 MoE experts are not supported yet")
     shard = target.shard
     if shard is not None:
         heads, kv_heads = local_heads(a, tp)
@@ -286,8 +303,15 @@ def _copy_into(
         sizes = [q, kv, kv] if "qkv_proj" in target.name else [inter, inter]
         begin = sum(sizes[:shard])
         dst = dst[begin : begin + sizes[shard]]
+    if target.name.endswith(".weight_scale") and tensor.numel() == 1:
+        dst.fill_(tensor.item())  # a per-tensor scale: every row of its shard
+        return
+    if target.name.endswith(".weight_scale"):
+        tensor = tensor.reshape(-1, 1)  # per channel: (out,) or (out, 1)
     if dst.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} for {tuple(dst.shape)}")
+    if dst.dtype == FP8 and tensor.dtype != FP8:
+        raise ValueError(f"{target.name}: an FP8 checkpoint holds {tensor.dtype} here")
     dst.copy_(tensor.to(dst.dtype))  # cast on the host: no wider copy on the device
 
 

@@ -28,6 +28,10 @@ class TensorParallel:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets every rank's ``x`` concatenated on the last dim; the others get None."""
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None

@@ -1,0 +1,105 @@
+"""FP8 weights against the unquantized model, as vLLM reports quantization accuracy: greedy
+agreement and the mean absolute logprob difference over a prompt set.
+
+Both are taken teacher-forced, so that one early flip does not decide every later position:
+the unquantized model's greedy continuation of each prompt is scored by both models
+(``prompt_logprobs``), and at every scored position the two are compared:
+
+- top-1 agreement: the share of positions where both models' most likely next token is the same;
+- mean |Δ logprob|: of the token that actually follows (the reference's choice), in nats.
+
+Also reported: free-running greedy agreement (the share of generated tokens equal to the
+reference's, position by position, up to the first difference included) and the projections'
+weight bytes. The tiny models' random weights give near-flat logits, where any perturbation
+flips an argmax: their figures are a floor, not what a trained model loses.
+
+    python -m benchmarks.fp8_accuracy                         # the three tiny dense models
+    python -m benchmarks.fp8_accuracy --model /path/to/hf/dir --json out.json
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from benchmarks.report_io import parser, write_outputs
+from common import LLM, SamplingParams
+
+TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+
+
+def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))] for _ in range(count)]
+
+
+def _projection_bytes(llm: LLM) -> int:
+    model = llm.engine.runner.model
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if any(f"{name}." in n for name in names)
+    )
+
+
+def compare(model: str, count: int = 16, new_tokens: int = 32, **engine: object) -> dict:
+    """One model's row: the reference (as loaded) against ``quantization="fp8"``."""
+    ref = LLM(model=model, **engine)  # type: ignore[arg-type]
+    fp8 = LLM(model=model, quantization="fp8", **engine)  # type: ignore[arg-type]
+    prompts = _prompts(ref.engine.vocab_size, count, seed=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in fp8.generate(prompts, greedy, use_tqdm=False)]
+    free = [next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), len(w)) for w, g in
+            zip(want, got, strict=True)]  # fmt: skip
+    scored = [p + w for p, w in zip(prompts, want, strict=True)]
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    top_same, deltas = [], []
+    pairs = zip(
+        ref.generate(scored, score, use_tqdm=False),
+        fp8.generate(scored, score, use_tqdm=False),
+        strict=True,
+    )
+    for a, b in pairs:
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            top_same.append(x.top_ids[0] == y.top_ids[0])
+            deltas.append(abs(x.logprob - y.logprob))
+    return {
+        "model": model,
+        "positions": len(deltas),
+        "top1_agreement": round(float(np.mean(top_same)), 4),
+        "mean_abs_logprob_diff": round(float(np.mean(deltas)), 4),
+        "free_running_agreement": round(sum(free) / sum(map(len, want)), 4),
+        "projection_bytes": _projection_bytes(ref),
+        "projection_bytes_fp8": _projection_bytes(fp8),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser(__doc__)
+    p.set_defaults(model=None)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    models = [args.model] if args.model else list(TINY)
+    rows = [
+        compare(m, args.prompts, args.new_tokens, dtype=args.dtype, cpu_threads=args.cpu_threads)
+        for m in models
+    ]
+    print(f"{'model':<14} {'positions':>9} {'top-1 agree':>11} {'mean|Δlp|':>10} "
+          f"{'free-run':>9} {'proj. bytes':>13}")  # fmt: skip
+    for r in rows:
+        ratio = r["projection_bytes_fp8"] / r["projection_bytes"]
+        print(
+            f"{r['model'][:14]:<14} {r['positions']:>9} {r['top1_agreement']:>11.4f} "
+            f"{r['mean_abs_logprob_diff']:>10.4f} {r['free_running_agreement']:>9.4f} "
+            f"{ratio:>12.3f}x"
+        )
+    write_outputs({"rows": rows}, args, lambda report, path: None)
+
+
+if __name__ == "__main__":
+    main()
