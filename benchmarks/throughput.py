@@ -166,6 +166,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--shape-layers", type=int, default=None, help="override a shape's depth")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (MoE on CUDA)")
+    p.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: FP8 projections")
     p.add_argument("--roofline-batch", type=int, default=0, help="also time pure decode steps")
     p.add_argument("--roofline-context", type=int, default=512)
     args = p.parse_args()
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         cpu_threads=args.cpu_threads,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
     )
     work = Workload.random(
         args.num_requests, args.input_len, args.output_len, llm.engine.vocab_size, args.seed

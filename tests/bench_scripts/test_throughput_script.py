@@ -29,6 +29,7 @@ def args(**kw) -> argparse.Namespace:
         gpu_workload=False,
         json=None,
         enforce_eager=False,
+        quantization=None,
     )
     return argparse.Namespace(**(base | kw))
 
@@ -40,7 +41,8 @@ def test_cpu_workload_against_hf():
     assert report["decode_roofline"]["step_ms"] > 0
 
 
-def test_dummy_gpu_shape_smoke():
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_dummy_gpu_shape_smoke(quantization):
     report = run(
         args(
             shape="qwen2-0.5b",
@@ -49,9 +51,11 @@ def test_dummy_gpu_shape_smoke():
             num_requests=2,
             skip_hf=True,
             roofline_batch=2,
+            quantization=quantization,
         )
     )
     assert report["pdserve"]["output_tokens"] > 0
+    assert report["workload"]["quantization"] == quantization
 
 
 @pytest.mark.parametrize(
