@@ -56,6 +56,7 @@ from benchmarks.gpu_check_measure import (
     env_section,
     environment,
     fp8_gemm,
+    fused_moe_kernel,
     host_step,
     host_tier_copies,
     kv_load,
@@ -83,6 +84,7 @@ SECTIONS = [
     Section("sampler share", sampler_share, False, 5),
     Section("host KV tier", host_tier_copies, False, 5),
     Section("fp8 weights", fp8_gemm, True, 5),
+    Section("fused MoE", fused_moe_kernel, True, 5),
     Section("throughput vs HF", throughput_vs_hf, False, 40),
     Section("host step", host_step, False, 10),  # after the shared engine's last use
     Section("KV load vs recompute", kv_load, False, 30),

@@ -447,6 +447,35 @@ def fp8_gemm(ctx: Context) -> list[Row]:
     return rows
 
 
+def fused_moe_kernel(ctx: Context) -> list[Row]:
+    """``kernels/fused_moe.py`` against the plain per-expert path (``common.models.moe``) at
+    Qwen3-30B-A3B's MoE shape (hidden 2048, 128 experts of 768, top 8; on CPU a small one) for
+    the larger decode batch: the same output within the dtype's tolerance, and both times."""
+    from common.models.moe import fused_experts, route
+    from kernels.fused_moe import fused_moe
+
+    dev, p = ctx.device, ctx.profile
+    dtype = getattr(torch, p.dtype)
+    hidden, inter, experts, k = (2048, 768, 128, 8) if dev.type == "cuda" else (64, 48, 8, 2)
+    g = torch.Generator().manual_seed(4)
+    tokens = p.batches[-1]
+    x = torch.randn(tokens, hidden, generator=g).to(dev, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dev, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dev, dtype)
+    weights, ids = route(torch.randn(tokens, experts, generator=g).to(dev), k, True, dtype)
+    plain = fused_experts(x, gate_up, down, weights, ids).float()
+    fused = fused_moe(x, gate_up, down, weights, ids).float()
+    err = float(((fused - plain).norm() / plain.norm()).item())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    rows = [Row.check("fused MoE == plain experts", err <= tol, f"relative error {err:.1e}",
+                      f"<= {tol:g}")]  # fmt: skip
+    ms = timed_ms(lambda: fused_moe(x, gate_up, down, weights, ids), dev, repeat=20)
+    ms_plain = timed_ms(lambda: fused_experts(x, gate_up, down, weights, ids), dev, repeat=20)
+    measured = f"{ms:.3f} ms vs {ms_plain:.3f} ms plain ({tokens} tokens, {experts} experts)"
+    rows.append(Row.perf("fused MoE time", None, measured, "info", ms=ms, ms_plain=ms_plain))
+    return rows
+
+
 # -- throughput and the KV path -------------------------------------------------------------------
 def throughput_vs_hf(ctx: Context) -> list[Row]:
     """The nano-vllm workload, short form: pdserve's ``generate`` against HF's in one run."""

@@ -37,6 +37,7 @@ SM90 = GPUTarget("cuda", 90, 32)  # H100, H200
 LAUNCHER_MODULES = (
     "kernels.activation",
     "kernels.block_copy",
+    "kernels.fused_moe",
     "kernels.paged_decode_attention",
     "kernels.paged_prefill_attention",
     "kernels.reshape_and_cache",

@@ -19,10 +19,12 @@ can replace it (issue 30 item 2). Its plain-PyTorch form follows transformers' d
     back to (token, slot) order                               (T, k, H)
     × routing weight (fp32 product for Mixtral), sum over the k slots, cast   (T, H)
 
-so greedy decoding matches HF token for token. The loop is over experts, never tokens; the
-per-expert row counts are read on the host once per layer (a sync on a GPU, and why this path
-cannot be captured in a CUDA graph: the fused kernel keeps the counts on the device). Under
-expert parallelism the same path runs over a rank's experts only (``SparseMoe``'s ``ep``).
+so greedy decoding matches HF token for token (the CPU's path). The loop is over experts,
+never tokens; the per-expert row counts are read on the host once per layer. On CUDA the
+experts run as ``kernels/fused_moe.py``'s two Triton launches instead, the counts kept on the
+device, so a MoE decode step can be captured in a CUDA graph. Under expert parallelism the
+plain path runs over a rank's experts only (``SparseMoe``'s ``ep``; it reads the counts, so
+EP on CUDA runs eagerly).
 """
 
 from __future__ import annotations
@@ -203,7 +205,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        _refuse_capture(x)
+        if x.is_cuda:  # two Triton launches, nothing read on the host: capturable
+            from kernels.fused_moe import fused_moe
+
+            return fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids)
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
 
     def slots(

@@ -4,9 +4,11 @@ GPU target through ``kernels.cross_compile``; prints one JSON line for the paren
 
     python -m tests.kernels.cross_compile_child compile '<json list of cases>'
     python -m tests.kernels.cross_compile_child workload '<json case>'
+    python -m tests.kernels.cross_compile_child moe '<json list of cases>'
 
 ``compile``: per case (model, dtype, arch, max_model_len), :func:`kernels.warmup.warm_up` plus
 ``reshape_and_cache`` (a launcher with no engine call site), and every variant they launched.
+``moe``: per case (arch, dtype), ``kernels.fused_moe`` at a MoE model's shape.
 ``workload``: warm_up, then a varied workload through the engine's own launch sites (the model's
 forward over the step input buffers, graph-shaped and eager; the connector's block copies),
 and the variants that workload compiled anew (there should be none).
@@ -93,6 +95,25 @@ def compile_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return results
 
 
+def compile_moe(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``kernels.fused_moe`` at Qwen3-30B-A3B's MoE shape (hidden 2048, 128 experts of 768,
+    top 8) per (arch, dtype): the launcher's own calls, a decode-sized batch."""
+    from kernels.fused_moe import fused_moe
+
+    results = []
+    for case in cases:
+        dtype = getattr(torch, case["dtype"])
+        x = torch.zeros(4, 2048, dtype=dtype)
+        gate_up = torch.zeros(128, 2 * 768, 2048, dtype=dtype)
+        down = torch.zeros(128, 2048, 768, dtype=dtype)
+        ids = torch.arange(32).view(4, 8)
+        weights = torch.full((4, 8), 0.125, dtype=dtype)
+        with compile_only(GPUTarget("cuda", case["arch"], 32)) as log:
+            fused_moe(x, gate_up, down, weights, ids)
+        results.append({**case, "variants": _variants(log)})
+    return results
+
+
 def restored(real_run: Any, active: Any) -> bool:
     """Whether compile_only put back what it replaced."""
     return (
@@ -127,6 +148,8 @@ def main(argv: list[str]) -> None:
     real_run, active = JITFunction.run, triton.runtime.driver._active
     if command == "compile":
         out: dict[str, Any] = {"cases": compile_cases(payload)}
+    elif command == "moe":
+        out = {"cases": compile_moe(payload)}
     else:
         from tests.kernels.varied_workload import run_workload
 
