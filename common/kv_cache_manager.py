@@ -23,8 +23,9 @@ from common.request import Request
 
 
 class ComputedBlocks(NamedTuple):
-    """A prefix-cache hit: blocks whose KV is already in the cache, then the host tier's slots
-    of the blocks that follow (copied in by the step), and the tokens they all cover."""
+    """A prefix-cache hit: blocks whose KV is already in the cache, then the hashes of the
+    blocks after them that the host tier holds (copied in by the step), and the tokens they all
+    cover."""
 
     blocks: list[KVCacheBlock]
     num_tokens: int
