@@ -180,32 +180,47 @@ class HostKVTier:
     def copy(self, copies: HostCopies, kv_cache: torch.Tensor) -> None:
         """Offloads, then loads. On the CPU one strided copy per block (2.3x faster than a
         gather and a scatter over the cache for 256 KiB blocks, 6.5x for 1 MiB; even for
-        32 KiB: docs/BENCHMARKS.md); on CUDA one
-        gather or scatter over the cache each and one contiguous asynchronous copy per block
-        between its pinned slot and a device staging row (the slots of a step are not
-        contiguous)."""
+        32 KiB: docs/BENCHMARKS.md). On CUDA the connector's block packing
+        (``kernels/block_copy.py``: one launch gathers or scatters every block of the step
+        through a device staging buffer) and one asynchronous copy per run of consecutive
+        host slots (slots are handed out in order, so a step's are mostly one run)."""
         if kv_cache.device.type == "cpu":
             for block, slot in copies.offloads:
                 self.host[slot].copy_(kv_cache[:, :, block])
             for slot, block in copies.loads:
                 kv_cache[:, :, block].copy_(self.host[slot])
-            return
+        else:
+            self.copy_staged(copies, kv_cache)
+
+    def copy_staged(self, copies: HostCopies, kv_cache: torch.Tensor) -> None:
+        """``copy``'s CUDA path (on CPU tensors, through Triton's interpreter: tests)."""
         import torch
 
         from common.sampler import to_device  # pinned, asynchronous index upload
+        from kernels.block_copy import gather_blocks, scatter_blocks
 
         device = kv_cache.device
         if copies.offloads:
             blocks, slots = (list(v) for v in zip(*copies.offloads, strict=True))
-            index = to_device(blocks, torch.int64, device)
-            gathered = kv_cache.index_select(2, index).movedim(2, 0).contiguous()
-            for row, slot in enumerate(slots):
-                self.host[slot].copy_(gathered[row], non_blocking=True)
+            staged = gather_blocks(kv_cache, to_device(blocks, torch.int64, device))
+            for row, slot, n in slot_runs(slots):
+                self.host[slot : slot + n].copy_(staged[row : row + n], non_blocking=True)
         if copies.loads:
             slots, blocks = (list(v) for v in zip(*copies.loads, strict=True))
-            index = to_device(blocks, torch.int64, device)
             staged = torch.empty((len(slots), *self.host.shape[1:]), dtype=kv_cache.dtype,
                                  device=device)  # fmt: skip
-            for row, slot in enumerate(slots):
-                staged[row].copy_(self.host[slot], non_blocking=True)
-            kv_cache.index_copy_(2, index, staged.movedim(0, 2))
+            for row, slot, n in slot_runs(slots):
+                staged[row : row + n].copy_(self.host[slot : slot + n], non_blocking=True)
+            scatter_blocks(kv_cache, to_device(blocks, torch.int64, device), staged)
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first row, first slot, length)`` of each run of consecutive slots in ``slots``."""
+    runs: list[tuple[int, int, int]] = []
+    for row, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first_row, first_slot, n = runs[-1]
+            runs[-1] = (first_row, first_slot, n + 1)
+        else:
+            runs.append((row, slot, 1))
+    return runs
