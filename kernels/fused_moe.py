@@ -25,6 +25,8 @@ path to fp32 reassociation, not bit for bit (the CPU keeps the plain, HF-exact p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -129,6 +131,8 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    first_expert: int = 0,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     block_n: int = 64,
     block_k: int = 32,
 ) -> torch.Tensor:
@@ -137,7 +141,12 @@ def fused_moe(
 
     Shapes: ``x (T, H)`` contiguous, ``gate_up (E, 2 I, H)`` and ``down (E, H, I)`` contiguous
     in ``x``'s dtype, ``topk_weights (T, k)`` fp32 or ``x``'s dtype, ``topk_ids (T, k)`` int64
-    in ``[0, E)`` (not checked: it would read the device)."""
+    (not checked: it would read the device).
+
+    Expert parallelism: ``gate_up``/``down`` hold experts ``first_expert, …`` of the model; the
+    assignments to other experts go to a run of their own that no program computes, their
+    routed rows stay zero, and ``all_reduce`` (the group's sum) fills them in from the other
+    ranks before the sum over ``k`` — exactly, each row being nonzero on one rank."""
     check_runnable(_moe_gemm_kernel, x.device)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
@@ -151,14 +160,19 @@ def fused_moe(
         f"{tuple(down.shape)}, topk {tuple(topk_ids.shape)} {topk_ids.dtype}",
     )  # fmt: skip
     k = topk_ids.shape[1]
-    sorted_ids, block_expert = moe_align(topk_ids, num_experts)
+    ids = topk_ids
+    if all_reduce is not None:  # another rank's experts: the extra expert ``num_experts``
+        local = topk_ids - first_expert
+        ids = local.masked_fill((local < 0) | (local >= num_experts), num_experts)
+    sorted_ids, block_expert = moe_align(ids, num_experts + (all_reduce is not None))
     padded = sorted_ids.shape[0]
     h = x.new_empty(padded, inter)
     upcast = interpreted(_moe_gemm_kernel)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks = padded // BLOCK_M
     weights = topk_weights.contiguous().view(-1)
-    routed = torch.empty(num_tokens * k, hidden, dtype=weights.dtype, device=x.device)
+    new = torch.empty if all_reduce is None else torch.zeros  # others' rows: zero until summed
+    routed = new(num_tokens * k, hidden, dtype=weights.dtype, device=x.device)
     for gate_up_step, (a, w, out, n, inner) in enumerate(
         ((x, gate_up, h, inter, hidden), (h, down, routed, hidden, inter))
     ):
@@ -167,6 +181,8 @@ def fused_moe(
             TOP_K=k, NUM_EXPERTS=num_experts, GATE_UP=gate_up_step == 0, BLOCK_M=BLOCK_M,
             BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, UPCAST=upcast,
         )  # fmt: skip
+    if all_reduce is not None:
+        routed = all_reduce(routed)
     summed = routed.view(num_tokens, k, hidden).sum(dim=1)
     return summed if summed.dtype == x.dtype else summed.to(x.dtype)
 

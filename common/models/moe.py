@@ -23,12 +23,13 @@ so greedy decoding matches HF token for token (the CPU's path). The loop is over
 never tokens; the per-expert row counts are read on the host once per layer. On CUDA the
 experts run as ``kernels/fused_moe.py``'s two Triton launches instead, the counts kept on the
 device, so a MoE decode step can be captured in a CUDA graph. Under expert parallelism the
-plain path runs over a rank's experts only (``SparseMoe``'s ``ep``; it reads the counts, so
-EP on CUDA runs eagerly).
+kernel (CUDA) or the plain path (CPU) runs over a rank's experts only (``SparseMoe``'s
+``ep``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +192,8 @@ class SparseMoe(nn.Module):
         weights, ids = route(logits, self.top_k, self.renormalize, dtype)
         if self.ep is None:
             return self.experts(x, weights, ids)
+        if x.is_cuda:  # the fused kernel over this rank's experts, summed across the ranks
+            return self.experts(x, weights, ids, self.first, self.ep.all_reduce)
         slots = self.experts.slots(x, ids, self.first, self.num_experts)
         return combine_slots(self.ep.all_reduce(slots), weights, x.dtype)
 
@@ -204,24 +207,30 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # two Triton launches, nothing read on the host: capturable
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        first: int = 0,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The experts' weighted sum. On CUDA ``kernels/fused_moe.py`` (nothing read on the
+        host: capturable), where ``first``/``all_reduce`` make it an expert-parallel rank's
+        share summed across the group; on the CPU the plain, HF-exact path (one device)."""
+        if x.is_cuda:
             from kernels.fused_moe import fused_moe
 
-            return fused_moe(x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids)
+            return fused_moe(
+                x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids,
+                first_expert=first, all_reduce=all_reduce,
+            )  # fmt: skip
+        assert all_reduce is None, "expert parallelism on the CPU goes through slots()"
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
 
     def slots(
         self, x: torch.Tensor, ids: torch.Tensor, first: int, num_experts: int
     ) -> torch.Tensor:
-        """``expert_slots`` of this rank's experts (global ids from ``first``)."""
-        _refuse_capture(x)
+        """``expert_slots`` of this rank's experts (global ids from ``first``); the CPU's
+        expert-parallel path (it reads the expert counts on the host)."""
         return expert_slots(x, self.gate_up_proj, self.down_proj, ids, first, num_experts)
-
-
-def _refuse_capture(x: torch.Tensor) -> None:
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "the plain MoE path reads expert counts on the host and cannot be captured in a"
-            " CUDA graph: run with enforce_eager=True"
-        )

@@ -94,3 +94,27 @@ def test_alignment_runs_on_meta_tensors():
     assert sorted_ids.shape == (size,) and block_expert.shape == (size // BLOCK_M,)
     with pytest.raises(NotImplementedError):  # what the plain path's count read does there
         torch.bincount(ids.flatten(), minlength=128).tolist()
+
+
+def test_expert_parallel_shares_sum_to_the_whole(device):
+    """Two ranks' calls, each over half of the experts, with an all-reduce that sums the two
+    shares (as the group's does): each rank returns the one-device result."""
+    x, gate_up, down, weights, ids = (
+        a.to(device) for a in _case(9, 6, 3, 32, 48, torch.float32, True)
+    )
+    want = fused_moe(x, gate_up, down, weights, ids)
+    shares: list[torch.Tensor] = []
+
+    def keep(routed: torch.Tensor) -> torch.Tensor:
+        shares.append(routed.clone())
+        return routed
+
+    for first in (0, 3):  # each share: only this rank's assignments' rows are nonzero
+        fused_moe(x, gate_up[first : first + 3], down[first : first + 3], weights, ids,
+                  first_expert=first, all_reduce=keep)  # fmt: skip
+    total = shares[0] + shares[1]
+    assert ((shares[0] != 0).any(dim=1) & (shares[1] != 0).any(dim=1)).sum() == 0
+    for first in (0, 3):
+        got = fused_moe(x, gate_up[first : first + 3], down[first : first + 3], weights, ids,
+                        first_expert=first, all_reduce=lambda routed: total)  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
