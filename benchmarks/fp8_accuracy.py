@@ -20,10 +20,11 @@ flips an argmax: their figures are a floor, not what a trained model loses.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 
-from benchmarks.report_io import parser, write_outputs
+from benchmarks.report_io import parser, pyplot, save_figure, write_outputs
 from common import LLM, SamplingParams
 
 TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
@@ -77,6 +78,20 @@ def compare(model: str, count: int = 16, new_tokens: int = 32, **engine: object)
     }
 
 
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    rows = report["rows"]
+    names = [Path(r["model"]).name for r in rows]
+    fig, (ax_top, ax_lp) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_top.bar(names, [r["top1_agreement"] for r in rows], color="tab:blue")
+    ax_top.set_ylabel("teacher-forced top-1 agreement (higher is better)")
+    ax_top.set_ylim(0, 1)
+    ax_lp.bar(names, [r["mean_abs_logprob_diff"] for r in rows], color="tab:orange")
+    ax_lp.set_ylabel("mean |Δ logprob|, nats (lower is better)")
+    fig.suptitle("FP8 weights against the unquantized model")
+    save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser(__doc__)
     p.set_defaults(model=None)
@@ -98,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['mean_abs_logprob_diff']:>10.4f} {r['free_running_agreement']:>9.4f} "
             f"{ratio:>12.3f}x"
         )
-    write_outputs({"rows": rows}, args, lambda report, path: None)
+    write_outputs({"rows": rows}, args, plot)
 
 
 if __name__ == "__main__":

@@ -178,3 +178,13 @@ def test_up_and_the_nodes_take_the_flag():
     node = NodeOptions(model="tiny-llama", kv_store="file:///tmp/kv", port=0, quantization="fp8")
     config = node.engine_config("consumer")
     assert config.quantization == "fp8" and config.runner_config().quantization == "fp8"
+
+
+def test_the_accuracy_script_writes_its_report_and_plot(tmp_path):
+    from benchmarks.fp8_accuracy import main
+
+    out, png = tmp_path / "fp8.json", tmp_path / "fp8.png"
+    main(["--model", "tiny-llama", "--prompts", "2", "--new-tokens", "4", "--json", str(out),
+          "--plot", str(png)])  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model"] == "tiny-llama" and row["positions"] > 0 and png.stat().st_size > 0
