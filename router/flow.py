@@ -13,9 +13,9 @@ NOTE on faults. Failures are classified by gRPC status code (``_classify``):
 - anything else (INVALID_ARGUMENT, …) is the request's fault and goes back to the client.
 
 An instance that fails while running a request counts against that request
-(``router.quarantine``): after ``quarantine_after`` distinct instances it is refused, with its
-resends, and never falls back to a decode node, so one request that kills engines cannot walk the
-pool.
+(``router.quarantine``): after ``quarantine_after`` distinct instances since it last finished, it
+is refused, with its resends, and never falls back to a decode node, so one request that kills
+engines cannot walk the pool.
 
 A prefill that fails before its first token cannot have sent anything, so retrying it elsewhere
 duplicates nothing. When no prefill path is left (no healthy instance, or every attempt failed)
@@ -272,13 +272,15 @@ class RequestFlow:
             async with aclosing(beam_search(self, spec, usage)) as hypotheses:
                 async for delta in hypotheses:
                     yield delta
-            return
-        prompt = self.prompt_info(spec.prompt_token_ids)
-        samples = [self._sample(spec, i, prompt, usage) for i in range(spec.params.n)]
-        # aclosing: closing this generator must close the inner ones at once (cancel upstream)
-        async with aclosing(merged(samples)) as deltas:
-            async for delta in deltas:
-                yield delta
+        else:
+            prompt = self.prompt_info(spec.prompt_token_ids)
+            samples = [self._sample(spec, i, prompt, usage) for i in range(spec.params.n)]
+            # aclosing: closing this generator must close the inner ones at once (cancel upstream)
+            async with aclosing(merged(samples)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        # served whole (not closed early, no RouterError): its past failures were not its doing
+        self.quarantine.succeeded(spec.fault_key)
 
     async def _sample(
         self, spec: GenerateSpec, index: int, prompt: PromptInfo, usage: Usage

@@ -13,7 +13,12 @@ The window is what keeps an innocent request out: a crash, a network cut or a dr
 request its node holds, and a prompt many clients send (a benchmark's, a shared system prompt)
 meets several such faults over minutes. Counted over the quarantine's whole 10 minutes, a
 cluster that scaled down twice and lost a node was enough to refuse such a prompt for everyone
-(seen in the compose test's partition phase: 39 of 816 requests refused).
+(seen in the compose test's partition phase: 39 of 816 requests refused). The window alone is
+not enough: on a fast machine the compose test's decode crash, prefill crash and network cut
+fall within one minute, and a prompt in flight at each was refused (8 of 1,110). So a request
+that *finishes* clears its record (``succeeded``): a prompt that was served whole after failing
+does not kill engines, and only failures since its last success count. A request of death never
+finishes, so its failures keep adding up, its resends' too.
 
 A failure the request caused and a node reported (INVALID_ARGUMENT, or ABORTED: "the request
 failed in the engine") is never retried at all (``router.flow``); this catches what a node could
@@ -25,6 +30,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import hashlib
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -34,6 +40,8 @@ import grpc
 
 from common.sampling_params import SamplingParams
 from router.errors import RouterError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +91,20 @@ class Quarantine:
         record.failures[instance_id] = now
         if len(record.failures) >= self.max_failures:
             record.since = now  # quarantined from now
+            logger.warning(
+                "request %s quarantined for %g s: it failed instances %s within %g s",
+                key.hex()[:16],
+                self.ttl_s,
+                ", ".join(sorted(record.failures)),
+                self.window_s,
+            )
+
+    def succeeded(self, key: bytes) -> None:
+        """The request ``key`` finished: what failed under it before was not its doing, so its
+        failures are forgotten (a quarantine, once begun, runs its course)."""
+        record = self._records.get(key)
+        if record is not None and record.since is None:
+            del self._records[key]
 
     def check(self, key: bytes) -> None:
         """Raise a 400 (``request_quarantined``) when the request is quarantined."""

@@ -49,6 +49,39 @@ def test_a_request_that_fails_instances_is_quarantined() -> None:
     run(test, quarantine_after=2)
 
 
+def test_a_request_that_finished_starts_its_count_again() -> None:
+    """A prompt in flight at two unrelated faults, served whole after the first, is not
+    refused: its success proved the first failure was not its doing."""
+
+    async def test(h) -> None:  # type: ignore[no-untyped-def]
+        h.prefill[0].script.fail = "unavailable"
+        tokens, _, usage = await generate(h, max_tokens=4, seed=1)  # fails on one, served
+        assert len(tokens[0]) == 4 and usage.retries == 1
+        h.prefill[0].script.fail, h.prefill[1].script.fail = None, "unavailable"
+        tokens, _, _ = await generate(h, max_tokens=4, seed=2)  # fails on the other, served
+        assert len(tokens[0]) == 4 and _seen(h, "prefill") == 3
+        h.prefill[1].script.fail = None
+        tokens, _, _ = await generate(h, max_tokens=4, seed=3)
+        assert len(tokens[0]) == 4
+
+    run(test, quarantine_after=2)
+
+
+def test_success_forgets_failures_but_not_a_quarantine() -> None:
+    quarantine = Quarantine(max_failures=2, ttl_s=60.0, clock=lambda: 0.0)
+    key = Quarantine.key(PROMPT, SamplingParams())
+    quarantine.failed(key, "a")
+    quarantine.succeeded(key)
+    quarantine.failed(key, "b")
+    quarantine.check(key)  # one failure since it finished
+    quarantine.failed(key, "c")
+    with pytest.raises(RouterError):
+        quarantine.check(key)
+    quarantine.succeeded(key)  # a concurrent copy that was already running finishes
+    with pytest.raises(RouterError):
+        quarantine.check(key)
+
+
 def test_quarantine_counts_distinct_instances_and_expires() -> None:
     now = [0.0]
     quarantine = Quarantine(max_failures=2, ttl_s=60.0, clock=lambda: now[0])
