@@ -16,6 +16,15 @@ import triton.language as tl
 
 # Dtypes the attention kernels compute in (fp32 accumulation inside, output in the input dtype).
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the FP8 KV cache's element type (``--kv-cache-dtype fp8``): written saturating to +-448 with
+# round-to-nearest-even (torch's conversion), read widened to the queries' dtype
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+
+
+def kv_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The cache dtypes a kernel takes with ``dtype`` queries: the same, or FP8."""
+    return (dtype, FP8_KV_DTYPE)
 
 
 def check(condition: bool, message: str) -> None:
@@ -97,8 +106,9 @@ def check_paged_attention_args(
     )
     check_shape("block_tables", block_tables, (None, None))
     check_shape("seq_lens", seq_lens, (block_tables.shape[0],))
-    check_dtype("kv_cache_layer", kv_cache_layer, FLOAT_DTYPES)
-    check_dtype("q", q, (kv_cache_layer.dtype,))
+    check_dtype("kv_cache_layer", kv_cache_layer, (*FLOAT_DTYPES, FP8_KV_DTYPE))
+    fp8 = kv_cache_layer.dtype == FP8_KV_DTYPE
+    check_dtype("q", q, FLOAT_DTYPES if fp8 else (kv_cache_layer.dtype,))
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, (torch.int32,))
     check_head_dim(head_dim)

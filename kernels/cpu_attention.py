@@ -16,6 +16,8 @@ import torch
 from kernels import native
 
 _DTYPES = native.DTYPE_CODES
+_CACHE_DTYPES = native.CACHE_DTYPE_CODES
+_FP8_KV_DTYPE = torch.float8_e4m3fn  # the one KV cache dtype other than the query's
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
@@ -47,7 +49,9 @@ def paged_decode_attention(
 
     ``query``/``out`` ``(T, H, D)``, ``kv_layer`` ``(2, N, block_size, Hkv, D)``, ``block_tables``
     ``(S, max_blocks) int32``, ``seq_lens (S,) int32``, ``query_start_loc (S+1,) int32``; all on
-    the CPU, contiguous, ``query``/``kv_layer``/``out`` of one dtype (float32 or bfloat16).
+    the CPU, contiguous, ``query``/``out`` of one dtype (float32 or bfloat16), ``kv_layer`` of
+    that dtype or ``float8_e4m3fn`` (read exactly: the result equals that over
+    ``kv_layer.to(query.dtype)``, bit for bit).
     Rows of sequences with a longer query are left as they are in ``out`` (``None``: a new
     tensor, those rows uninitialised; this is the op ``paged_decode_attention_cpu``).
     ``max_seq_len`` must bound ``seq_lens`` (it sizes the per-thread score buffer; a longer
@@ -89,6 +93,7 @@ def paged_decode_attention(
         max(int(max_seq_len), 1),
         scale,
         _DTYPES[query.dtype],
+        _CACHE_DTYPES[kv_layer.dtype],
         max(int(partition_size), 0),
         torch.get_num_threads(),
     )
@@ -121,7 +126,7 @@ def _check_args(args: _Args) -> None:
             and num_kv_heads > 0
             and num_heads % num_kv_heads == 0
             and dtype in _DTYPES
-            and kv_layer.dtype == dtype
+            and (kv_layer.dtype == dtype or kv_layer.dtype == _FP8_KV_DTYPE)
             and block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
             and seq_lens.shape == (num_seqs,)
             and query_start_loc.shape == (num_seqs + 1,)
@@ -160,9 +165,14 @@ def _explain(args: _Args) -> NoReturn:
             f"query {tuple(query.shape)} does not fit kv_layer {tuple(kv_layer.shape)}"
         )
     out = query if out is None else out  # None: a new tensor like query
-    if query.dtype not in _DTYPES or kv_layer.dtype != query.dtype or out.dtype != query.dtype:
+    if query.dtype not in _DTYPES or out.dtype != query.dtype:
         raise ValueError(
-            f"dtypes {query.dtype}/{kv_layer.dtype}/{out.dtype}: need one of {list(_DTYPES)}"
+            f"query/out dtypes {query.dtype}/{out.dtype}: need one of {list(_DTYPES)}, both the same"
+        )
+    if kv_layer.dtype not in (query.dtype, _FP8_KV_DTYPE):
+        raise ValueError(
+            f"dtypes {query.dtype}/{kv_layer.dtype}: a kv_layer for {query.dtype} queries must "
+            f"be {query.dtype} or {_FP8_KV_DTYPE}"
         )
     if out.shape != query.shape:
         raise ValueError(f"out {tuple(out.shape)} != query {tuple(query.shape)}")

@@ -2,7 +2,8 @@
 
 ``paged_attention_cpu.c`` (decode attention over the paged cache), ``fused_ops_cpu.c``
 (RMSNorm, SiLU-and-mul, RoPE + cache write) and ``sampler_cpu.c`` (token sampling); the first
-two share the element types of ``bf16.h``. They are
+two share the element types of ``bf16.h`` (float32, bfloat16, and float8_e4m3fn for the KV
+cache). They are
 compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the host CPU,
 each with its own flags, and linked into one shared library in ``<cache root>/kernels/<key>/``
 (``common.native_build``: built once, published atomically, safe from several processes at once).
@@ -53,21 +54,28 @@ HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LIB_NAME = "pdserve_cpu.so"
 
-# The dtypes the kernels take, as the `dtype` code each C function receives.
+# The dtypes the kernels take (the model's: activations, queries, outputs), as the `dtype`
+# code each C function receives.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The KV cache dtypes of the decode and rotary kernels, as their `cache_dtype` code: the model
+# dtype, or float8_e4m3fn with either (bf16.h).
+CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 
 _PTR, _INT, _I64, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C function -> argument types; every one returns an int status (0 = done).
 _PROTOTYPES = {
-    "pdserve_paged_decode": [_PTR] * 6 + [_INT] * 8 + [_FLOAT] + [_INT] * 3,
+    "pdserve_paged_decode": [_PTR] * 6 + [_INT] * 8 + [_FLOAT] + [_INT] * 4,
     "pdserve_rms_norm": [_PTR] * 5 + [_I64] * 4 + [_FLOAT, _INT, _INT],
     "pdserve_silu_and_mul": [_PTR] * 2 + [_I64] * 3 + [_INT, _INT],
     "pdserve_rotary_embedding_and_cache": [_PTR] * 6
     + [_I64]
     + [_INT] * 4
     + [_I64] * 5
-    + [_INT, _INT],
+    + [_INT] * 3,
     "pdserve_sample_tokens": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    # float8_e4m3fn <-> float32 over n elements, as the kernels convert (for the tests)
+    "pdserve_f32_to_e4m3": [_PTR, _PTR, _I64],
+    "pdserve_e4m3_to_f32": [_PTR, _PTR, _I64],
 }
 
 _lock = threading.Lock()

@@ -180,14 +180,18 @@ def _paged_decode_attention_kernel(
                 block_tables_ptr, stride_bt_s, seq, pos, valid, stride_cache_block,
                 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
             )  # fmt: skip
-            k = tl.load(k_base + slot[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
+            k = tl.load(k_base + slot[None, :] + dims[:, None], mask=valid[None, :], other=0.0).to(
+                q.dtype
+            )
             s = tile_dot(q, k, DOT_PRECISION, UPCAST) * qk_scale  # (GROUP_ROWS, BLOCK_N)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + slot[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_base + slot[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(
+                q.dtype
+            )
             acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
             m_i = m_new
 
@@ -489,8 +493,8 @@ def ref_paged_decode_attention(
     tables = block_tables[:, : triton.cdiv(max_len, block_size)].long()
     # (S, ctx, Hkv, D) -> (S, ctx, H, D): query head h reads kv head h // group.
     group = num_heads // num_kv_heads
-    k = kv_cache_layer[0][tables].flatten(1, 2)[:, :max_len].repeat_interleave(group, dim=2)
-    v = kv_cache_layer[1][tables].flatten(1, 2)[:, :max_len].repeat_interleave(group, dim=2)
+    k = kv_cache_layer[0][tables].flatten(1, 2)[:, :max_len].float().repeat_interleave(group, 2)
+    v = kv_cache_layer[1][tables].flatten(1, 2)[:, :max_len].float().repeat_interleave(group, 2)
     scores = torch.einsum("shd,slhd->shl", q.float(), k.float()) * scale
     positions = torch.arange(max_len, device=q.device)
     visible = positions[None, None, :] < seq_lens[:, None, None]

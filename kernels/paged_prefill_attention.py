@@ -156,7 +156,9 @@ def _paged_prefill_attention_kernel(
             block_tables_ptr, stride_bt_s, seq, pos, key_mask, stride_cache_block,
             BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
         )  # fmt: skip
-        k = tl.load(k_base + slot[None, :] + dims[:, None], mask=key_mask[None, :], other=0.0)
+        k = tl.load(k_base + slot[None, :] + dims[:, None], mask=key_mask[None, :], other=0.0).to(
+            q.dtype
+        )
         s = tile_dot(q, k, DOT_PRECISION, UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N)
         # Key 0 is visible to every row, so no row is all -inf after the first tile.
         visible = key_mask[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -165,7 +167,9 @@ def _paged_prefill_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slot[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+        v = tl.load(v_base + slot[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0).to(
+            q.dtype
+        )
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
 
@@ -340,8 +344,8 @@ def _causal_attention(
     num_queries, num_heads, _ = q.shape
     context_len = k.shape[0]
     group = num_heads // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).float()  # (L, H, D)
-    v = v.repeat_interleave(group, dim=1).float()
+    k = k.float().repeat_interleave(group, dim=1)  # (L, H, D)
+    v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     q_pos = context_len - num_queries + torch.arange(num_queries, device=q.device)
     k_pos = torch.arange(context_len, device=q.device)

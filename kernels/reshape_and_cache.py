@@ -137,8 +137,9 @@ def ref_reshape_and_cache(
     slots = slot_mapping[valid]
     block_size = kv_cache_layer.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache_layer[0, blocks, offsets] = key[valid]
-    kv_cache_layer[1, blocks, offsets] = value[valid]
+    dtype = kv_cache_layer.dtype  # an FP8 cache: torch's conversion (nearest even, saturating)
+    kv_cache_layer[0, blocks, offsets] = key[valid].to(dtype)
+    kv_cache_layer[1, blocks, offsets] = value[valid].to(dtype)
 
 
 def benchmark() -> None:

@@ -29,6 +29,7 @@ import triton.language as tl
 from kernels import native
 from kernels._common import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     bench_ms,
     check,
     check_dtype,
@@ -37,6 +38,7 @@ from kernels._common import (
     check_same_device,
     check_shape,
     cuda_or_explain,
+    kv_dtypes,
     next_power_of_two,
     report,
 )
@@ -108,10 +110,35 @@ def _rotary_embedding_and_cache_kernel(
     block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     k_dst = cache_ptr + block * stride_cache_block + offset * (NUM_KV_HEADS * HEAD_DIM)
     k_dst += kh * HEAD_DIM + d
-    tl.store(k_dst, out1, mask=mask)
-    tl.store(k_dst + HALF, out2, mask=mask)
-    tl.store(k_dst + stride_cache_kv, tl.load(v, mask=mask), mask=mask)
-    tl.store(k_dst + stride_cache_kv + HALF, tl.load(v + HALF, mask=mask), mask=mask)
+    kv_dtype = cache_ptr.dtype.element_ty
+    tl.store(k_dst, _to_cache(out1, kv_dtype), mask=mask)
+    tl.store(k_dst + HALF, _to_cache(out2, kv_dtype), mask=mask)
+    v1, v2 = tl.load(v, mask=mask), tl.load(v + HALF, mask=mask)
+    tl.store(k_dst + stride_cache_kv, _to_cache(v1, kv_dtype), mask=mask)
+    tl.store(k_dst + stride_cache_kv + HALF, _to_cache(v2, kv_dtype), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, kv_dtype: tl.constexpr):
+    """A model-dtype value as the cache holds it: itself, or FP8 e4m3 (:func:`_round_e4m3`)."""
+    if kv_dtype == tl.float8e4nv:
+        x = _round_e4m3(x.to(tl.float32))
+    return x.to(kv_dtype)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """fp32 ``x`` rounded to the nearest e4m3 value (ties to even), saturated to +-448: torch's
+    conversion, done here in fp32 so that the cast after it is exact (the interpreter's own
+    fp32 -> fp8 cast drops the carry of a mantissa that rounds up into the exponent). Normal
+    values keep 3 mantissa bits (rounded at bit 20); below 2^-6 the step is 2^-9, which adding
+    and taking away 2^14 rounds to; the sign is put back (a negative tiny value stays -0)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    tiny = ((tl.abs(x) + 16384.0) - 16384.0).to(tl.uint32, bitcast=True)
+    tiny = (tiny | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < 0.015625, tiny, normal)
 
 
 # The op's arguments in its schema's order: (qkv, positions, cos_sin_cache, kv_cache_layer,
@@ -126,7 +153,7 @@ def _check_args(args: _Args) -> None:
     if kv.dim() == 5 and qkv.dim() == 2 and cos_sin_cache.dim() == 2:  # the shapes to read
         two, _, _, kv_heads, head_dim = kv.shape
         num_tokens, width = qkv.shape
-        dtype = kv.dtype
+        dtype = qkv.dtype
         ok = (
             two == 2
             and kv_heads == num_kv_heads
@@ -135,6 +162,7 @@ def _check_args(args: _Args) -> None:
             and head_dim % 2 == 0
             and head_dim <= _MAX_HEAD_DIM
             and dtype in FLOAT_DTYPES
+            and kv.dtype in (dtype, FP8_KV_DTYPE)
             and kv.stride()[2:] == (num_kv_heads * head_dim, head_dim, 1)
             and width == (num_heads + 2 * num_kv_heads) * head_dim
             and qkv.stride(1) == 1
@@ -165,13 +193,13 @@ def _explain(args: _Args) -> NoReturn:
         head_dim % 2 == 0 and head_dim <= _MAX_HEAD_DIM,
         f"head_dim must be even and <= {_MAX_HEAD_DIM}, got {head_dim}",
     )
-    check_dtype("kv_cache_layer", kv, FLOAT_DTYPES)
+    check_dtype("qkv", qkv, FLOAT_DTYPES)
+    check_dtype("kv_cache_layer", kv, kv_dtypes(qkv.dtype))
     check_inner_contiguous("kv_cache_layer", kv, 3)
     check_shape("qkv", qkv, (None, (num_heads + 2 * num_kv_heads) * head_dim))
-    check_dtype("qkv", qkv, (kv.dtype,))
     check_inner_contiguous("qkv", qkv, 1)
     check_shape("cos_sin_cache", cos_sin_cache, (None, head_dim))
-    check_dtype("cos_sin_cache", cos_sin_cache, (kv.dtype,))
+    check_dtype("cos_sin_cache", cos_sin_cache, (qkv.dtype,))
     check(cos_sin_cache.is_contiguous(), "cos_sin_cache must be contiguous")
     for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
         check_shape(name, index, (qkv.shape[0],))
@@ -281,6 +309,7 @@ def rotary_embedding_and_cache_cpu(
         cos_sin_cache.shape[0],
         num_blocks * block_size,
         native.DTYPE_CODES[qkv.dtype],
+        native.CACHE_DTYPE_CODES[kv_cache_layer.dtype],
         torch.get_num_threads(),
     )
     if failed:

@@ -1,7 +1,8 @@
 /*
  * The fused ops of a Llama-family decoder layer on the CPU: RMSNorm (alone, or after the
  * residual add), SiLU-and-mul of the fused gate|up projection, and RoPE of the fused q|k|v
- * projection with the rotated K and the V written into the paged KV cache.
+ * projection with the rotated K and the V written into the paged KV cache (of the model dtype,
+ * or float8_e4m3fn: the same values converted).
  *
  * Built with paged_attention_cpu.c into one library by kernels/native.py and called through
  * ctypes by the CPU launchers of kernels/{rms_norm,activation,rotary}.py, which check every
@@ -51,6 +52,15 @@ INLINE void store(void *base, int64_t i, float value, int dtype) {
 /* `value` rounded to `dtype` and widened back: what a PyTorch op in that dtype leaves. */
 INLINE float round_to(float value, int dtype) {
     return dtype == DTYPE_F32 ? value : bf16_to_f32(f32_to_bf16(value));
+}
+
+/* Store `value`, a result of an op in `dtype`, into a KV cache of `cache_dtype` (`dtype`, or
+ * DTYPE_FP8_E4M3): rounded to `dtype` first, then for fp8 converted as
+ * `.to(torch.float8_e4m3fn)` would convert the cache of `dtype` holding it. */
+INLINE void store_cache(void *base, int64_t i, float value, int dtype, int cache_dtype) {
+    if (cache_dtype == DTYPE_FP8_E4M3)
+        ((uint8_t *)base)[i] = f32_to_e4m3(round_to(value, dtype));
+    else store(base, i, value, dtype);
 }
 
 /* fn(args, first, last) computes rows [first, last) and returns a status (0 = done). */
@@ -283,9 +293,10 @@ int pdserve_silu_and_mul(void *out, const void *x, int64_t rows, int64_t n, int6
 
 /* `heads` heads of `dim` elements from src, rotated into dst (both contiguous). HF:
  * x * cos + rotate_half(x) * sin in the model dtype, i.e. per half
- *   out1 = x1 * c + (-x2) * s,  out2 = x2 * c + x1 * s,  each product and sum rounded. */
+ *   out1 = x1 * c + (-x2) * s,  out2 = x2 * c + x1 * s,  each product and sum rounded.
+ * dst is of `dst_dtype`: `dtype`, or fp8 for an fp8 cache (store_cache). */
 INLINE void rotate_heads(void *dst, const void *src, int heads, int dim, const float *c,
-                         const float *s, int dtype) {
+                         const float *s, int dtype, int dst_dtype) {
     const int half = dim / 2;
     for (int h = 0; h < heads; h++) {
         const int64_t base = (int64_t)h * dim;
@@ -293,8 +304,8 @@ INLINE void rotate_heads(void *dst, const void *src, int heads, int dim, const f
             const float x1 = load(src, base + i, dtype), x2 = load(src, base + half + i, dtype);
             const float out1 = round_to(x1 * c[i], dtype) + round_to(-x2 * s[i], dtype);
             const float out2 = round_to(x2 * c[i], dtype) + round_to(x1 * s[i], dtype);
-            store(dst, base + i, out1, dtype);
-            store(dst, base + half + i, out2, dtype);
+            store_cache(dst, base + i, out1, dtype, dst_dtype);
+            store_cache(dst, base + half + i, out2, dtype, dst_dtype);
         }
     }
 }
@@ -304,13 +315,14 @@ typedef struct {
     const void *qkv, *cos_sin;
     const int64_t *positions, *slots;
     int num_heads, num_kv_heads, head_dim, block_size;
-    int64_t qkv_stride, cache_kv_stride, cache_block_stride; /* elements */
-    int dtype;
+    int64_t qkv_stride;                          /* elements of qkv */
+    int64_t cache_kv_stride, cache_block_stride; /* elements of the cache */
+    int dtype, cache_dtype;
 } RotaryArgs;
 
 /* Token t: q rotated into q_out; unless its slot is negative (-1: padding), K rotated and V
- * copied into the slot's row of the K and V planes. */
-INLINE void rotary_token(const RotaryArgs *a, int64_t t, int dtype) {
+ * copied (fp8: converted) into the slot's row of the K and V planes. */
+INLINE void rotary_token(const RotaryArgs *a, int64_t t, int dtype, int cache_dtype) {
     const int dim = a->head_dim, half = dim / 2;
     const size_t elem = ELEM_SIZE(dtype);
     float c[half], s[half];
@@ -321,38 +333,54 @@ INLINE void rotary_token(const RotaryArgs *a, int64_t t, int dtype) {
     }
     const char *q = (const char *)a->qkv + t * a->qkv_stride * (int64_t)elem;
     void *q_out = (char *)a->q_out + t * (int64_t)a->num_heads * dim * (int64_t)elem;
-    rotate_heads(q_out, q, a->num_heads, dim, c, s, dtype);
+    rotate_heads(q_out, q, a->num_heads, dim, c, s, dtype, dtype);
     const int64_t slot = a->slots[t];
     if (slot < 0) return;
     const int64_t kv_row = (int64_t)a->num_kv_heads * dim;
+    const size_t cache_elem = ELEM_SIZE(cache_dtype);
     const char *k = q + (int64_t)a->num_heads * dim * (int64_t)elem;
+    const char *v = k + kv_row * (int64_t)elem;
     char *k_dst = (char *)a->cache + ((slot / a->block_size) * a->cache_block_stride +
-                                      (slot % a->block_size) * kv_row) * (int64_t)elem;
-    rotate_heads(k_dst, k, a->num_kv_heads, dim, c, s, dtype);
-    memcpy(k_dst + a->cache_kv_stride * (int64_t)elem, k + kv_row * (int64_t)elem,
-           (size_t)kv_row * elem);
+                                      (slot % a->block_size) * kv_row) * (int64_t)cache_elem;
+    char *v_dst = k_dst + a->cache_kv_stride * (int64_t)cache_elem;
+    rotate_heads(k_dst, k, a->num_kv_heads, dim, c, s, dtype, cache_dtype);
+    if (cache_dtype == DTYPE_FP8_E4M3) {
+        uint8_t *dst = (uint8_t *)v_dst;
+        for (int64_t i = 0; i < kv_row; i++) dst[i] = f32_to_e4m3(load(v, i, dtype));
+    } else {
+        memcpy(v_dst, v, (size_t)kv_row * elem);
+    }
 }
 
 static int rotary_rows(const void *args, int64_t first, int64_t last) {
     const RotaryArgs *a = args;
+    const int fp8 = a->cache_dtype == DTYPE_FP8_E4M3;
     for (int64_t t = first; t < last; t++) {
-        if (a->dtype == DTYPE_F32) rotary_token(a, t, DTYPE_F32);
-        else rotary_token(a, t, DTYPE_BF16);
+        if (a->dtype == DTYPE_F32) {
+            if (fp8) rotary_token(a, t, DTYPE_F32, DTYPE_FP8_E4M3);
+            else rotary_token(a, t, DTYPE_F32, DTYPE_F32);
+        } else {
+            if (fp8) rotary_token(a, t, DTYPE_BF16, DTYPE_FP8_E4M3);
+            else rotary_token(a, t, DTYPE_BF16, DTYPE_BF16);
+        }
     }
     return 0;
 }
 
 /* qkv (tokens, (H + 2 Hkv) * D) with row stride qkv_stride; q_out (tokens, H, D) contiguous;
- * cache (2, N, block_size, Hkv, D), the inner three dims contiguous; cos_sin (max_position, D)
- * contiguous. Returns 0; 2 when a position is outside [0, max_position) or a slot is
- * >= num_slots (refused before anything is written). */
+ * cache (2, N, block_size, Hkv, D), the inner three dims contiguous, strides in its elements;
+ * cos_sin (max_position, D) contiguous. qkv, q_out and cos_sin are of `dtype` (DTYPE_F32 or
+ * DTYPE_BF16), the cache of `cache_dtype` (`dtype`, or DTYPE_FP8_E4M3: the values a cache of
+ * `dtype` would hold, converted). Returns 0; 2 when a position is outside [0, max_position) or
+ * a slot is >= num_slots (refused before anything is written). */
 int pdserve_rotary_embedding_and_cache(void *q_out, void *cache, const void *qkv,
                                        const int64_t *positions, const void *cos_sin,
                                        const int64_t *slots, int64_t tokens, int num_heads,
                                        int num_kv_heads, int head_dim, int block_size,
                                        int64_t qkv_stride, int64_t cache_kv_stride,
                                        int64_t cache_block_stride, int64_t max_position,
-                                       int64_t num_slots, int dtype, int num_threads) {
+                                       int64_t num_slots, int dtype, int cache_dtype,
+                                       int num_threads) {
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= max_position || slots[t] >= num_slots) return 2;
     const RotaryArgs args = {.q_out = q_out, .cache = cache, .qkv = qkv, .cos_sin = cos_sin,
@@ -360,7 +388,24 @@ int pdserve_rotary_embedding_and_cache(void *q_out, void *cache, const void *qkv
                              .num_kv_heads = num_kv_heads, .head_dim = head_dim,
                              .block_size = block_size, .qkv_stride = qkv_stride,
                              .cache_kv_stride = cache_kv_stride,
-                             .cache_block_stride = cache_block_stride, .dtype = dtype};
+                             .cache_block_stride = cache_block_stride, .dtype = dtype,
+                             .cache_dtype = cache_dtype};
     const int64_t row = (int64_t)(num_heads + 2 * num_kv_heads) * head_dim;
     return for_rows(rotary_rows, &args, tokens, row, num_threads);
+}
+
+/* --------------------------------------------------------------------------------------- */
+/* float8_e4m3fn conversions, exported for the tests (bf16.h's, as the kernels use them)    */
+/* --------------------------------------------------------------------------------------- */
+
+/* dst[i] = src[i].to(torch.float8_e4m3fn), as bytes. Returns 0. */
+int pdserve_f32_to_e4m3(const float *src, uint8_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f32_to_e4m3(src[i]);
+    return 0;
+}
+
+/* dst[i] = the fp32 value of e4m3 byte src[i]. Returns 0. */
+int pdserve_e4m3_to_f32(const uint8_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = e4m3_to_f32(src[i]);
+    return 0;
 }

@@ -23,8 +23,10 @@
  *
  * The cache of one layer is (2, num_blocks, block_size, Hkv, D), contiguous: token slot
  * `b * block_size + i` of kv head h starts at element ((b * block_size + i) * Hkv + h) * D of
- * the K (or V) half. Sequences whose query length is not 1 (prefill chunks) are skipped; the
- * caller computes those rows itself.
+ * the K (or V) half. Its elements are of the query's dtype or float8_e4m3fn (`cache_dtype`);
+ * fp8 rows are widened to fp32 exactly, so the result equals that over the cache converted to
+ * the query's dtype, bit for bit. Sequences whose query length is not 1 (prefill chunks) are
+ * skipped; the caller computes those rows itself.
  *
  * Compile the math with -ffast-math (vectorised expf, reassociated dot products) but link the
  * shared object without it: GCC < 13 would otherwise link crtfastmath.o, which turns on
@@ -44,6 +46,13 @@
  * `buf`. */
 INLINE const float *row_f32(const void *base, int64_t elem, int n, int dtype, float *buf) {
     if (dtype == DTYPE_F32) return (const float *)base + elem;
+    if (dtype == DTYPE_FP8_E4M3) {
+        const uint8_t *src = (const uint8_t *)base + elem;
+        uint32_t wide[n]; /* widened first: the conversion then runs on 32-bit lanes */
+        for (int i = 0; i < n; i++) wide[i] = src[i];
+        for (int i = 0; i < n; i++) buf[i] = e4m3_to_f32(wide[i]);
+        return buf;
+    }
     const uint16_t *src = (const uint16_t *)base + elem;
     for (int i = 0; i < n; i++) buf[i] = bf16_to_f32(src[i]);
     return buf;
@@ -74,15 +83,16 @@ INLINE void prefetch_block(const void *cache, int64_t first, int64_t stride, int
  * `partial` NULL it writes the normalised output rows; otherwise, per query head g,
  * partial[g * (head_dim + 2) ...] = (max score, sum of exp, unnormalised acc[head_dim]) for
  * merge_partials. `work` holds (2 * group + block_size) * head_dim + group * len floats.
- * Always inlined into the dispatcher below, so the common head sizes and each dtype get their
- * own copy with constant trip counts (unrolled loops, accumulators in registers). */
+ * Always inlined into the dispatcher below, so the common head sizes and each (query dtype,
+ * cache dtype) pair get their own copy with constant trip counts (unrolled loops, accumulators
+ * in registers). `dtype`: query and output; `cache_dtype`: K and V (`dtype` or fp8). */
 INLINE void decode_task(void *out, float *partial, const void *query, const void *k_cache,
                         const void *v_cache, const int32_t *table, int64_t q_elem, int len, int h,
                         int group, int num_kv_heads, const int head_dim, int block_size,
-                        float scale, const int dtype, float *work) {
+                        float scale, const int dtype, const int cache_dtype, float *work) {
     float *q = work;                    /* group x head_dim, pre-scaled */
     float *acc = q + group * head_dim;  /* group x head_dim */
-    float *buf = acc + group * head_dim; /* block_size x head_dim: converted bf16 rows */
+    float *buf = acc + group * head_dim; /* block_size x head_dim: converted bf16/fp8 rows */
     float *probs = buf + block_size * head_dim; /* group x len */
     const int64_t stride = (int64_t)num_kv_heads * head_dim; /* between token slots */
     const int64_t head = (int64_t)h * head_dim;
@@ -91,7 +101,7 @@ INLINE void decode_task(void *out, float *partial, const void *query, const void
     const float *qsrc = row_f32(query, q_elem, group * head_dim, dtype, acc);
     for (int i = 0; i < group * head_dim; i++) q[i] = qsrc[i] * scale;
 
-    const size_t elem = ELEM_SIZE(dtype);
+    const size_t elem = ELEM_SIZE(cache_dtype);
     const int row_bytes = head_dim * (int)elem;
 #define PREFETCH(cache, b)                                                                     \
     do {                                                                                       \
@@ -110,7 +120,7 @@ INLINE void decode_task(void *out, float *partial, const void *query, const void
         PREFETCH(k_cache, b + 2);
         if (b + 2 >= num_blocks) PREFETCH(v_cache, b + 2 - num_blocks);
         for (int i = 0; i < n; i++, t++) {
-            const float *k = row_f32(k_cache, first + i * stride, head_dim, dtype, buf);
+            const float *k = row_f32(k_cache, first + i * stride, head_dim, cache_dtype, buf);
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * head_dim;
                 float dot = 0.0f;
@@ -141,11 +151,11 @@ INLINE void decode_task(void *out, float *partial, const void *query, const void
         const int64_t first = (int64_t)table[b] * block_size * stride + head;
         const int n = len - t < block_size ? len - t : block_size;
         PREFETCH(v_cache, b + 2);
-        const float *v0 = row_f32(v_cache, first, head_dim, dtype, buf);
+        const float *v0 = row_f32(v_cache, first, head_dim, cache_dtype, buf);
         int64_t v_stride = stride;
-        if (dtype != DTYPE_F32) { /* convert the block's rows once for all heads */
+        if (cache_dtype != DTYPE_F32) { /* convert the block's rows once for all heads */
             for (int i = 1; i < n; i++)
-                row_f32(v_cache, first + i * stride, head_dim, dtype, buf + i * head_dim);
+                row_f32(v_cache, first + i * stride, head_dim, cache_dtype, buf + i * head_dim);
             v_stride = head_dim;
         }
         for (int g = 0; g < group; g++) {
@@ -198,13 +208,20 @@ static void merge_partials(void *out, const float *partials, int num_parts, int6
     }
 }
 
-#define TASK(HEAD_DIM, DTYPE)                                                                  \
+#define TASK(HEAD_DIM, DTYPE, CACHE_DTYPE)                                                     \
     decode_task(out, partial, query, k_cache, v_cache, table, q_elem, span, h, group,         \
-                num_kv_heads, HEAD_DIM, block_size, scale, DTYPE, work)
+                num_kv_heads, HEAD_DIM, block_size, scale, DTYPE, CACHE_DTYPE, work)
+/* the pairs the launcher passes: a cache of the query's dtype, or fp8 */
 #define TASK_FOR_DTYPE(HEAD_DIM)                                                               \
     do {                                                                                       \
-        if (dtype == DTYPE_F32) TASK(HEAD_DIM, DTYPE_F32);                                     \
-        else TASK(HEAD_DIM, DTYPE_BF16);                                                       \
+        if (cache_dtype == DTYPE_FP8_E4M3) {                                                   \
+            if (dtype == DTYPE_F32) TASK(HEAD_DIM, DTYPE_F32, DTYPE_FP8_E4M3);                 \
+            else TASK(HEAD_DIM, DTYPE_BF16, DTYPE_FP8_E4M3);                                   \
+        } else if (dtype == DTYPE_F32) {                                                       \
+            TASK(HEAD_DIM, DTYPE_F32, DTYPE_F32);                                              \
+        } else {                                                                               \
+            TASK(HEAD_DIM, DTYPE_BF16, DTYPE_BF16);                                            \
+        }                                                                                      \
     } while (0)
 
 /* K (or V) elements of a call below which it runs on the calling thread alone: an OpenMP
@@ -242,16 +259,17 @@ static int partition_tokens(int asked, const int32_t *seq_lens, const int32_t *q
 
 /* Returns 0; 1 when a work buffer could not be allocated, 2 when a sequence is longer than
  * max_seq_len (refused before anything is read). Rows are undefined after a non-zero return.
- * `partition_size`: tokens per task, 0 = automatic (partition_tokens). */
+ * `dtype`: query and out (DTYPE_F32 or DTYPE_BF16); `cache_dtype`: kv_layer, `dtype` or
+ * DTYPE_FP8_E4M3. `partition_size`: tokens per task, 0 = automatic (partition_tokens). */
 int pdserve_paged_decode(void *out, const void *query, const void *kv_layer,
                          const int32_t *block_tables, const int32_t *seq_lens,
                          const int32_t *query_start_loc, int num_seqs, int num_heads,
                          int num_kv_heads, int head_dim, int block_size, int num_blocks,
                          int table_stride, int max_seq_len, float scale, int dtype,
-                         int partition_size, int num_threads) {
+                         int cache_dtype, int partition_size, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int64_t half = (int64_t)num_blocks * block_size * num_kv_heads * head_dim;
-    const size_t elem = ELEM_SIZE(dtype);
+    const size_t elem = ELEM_SIZE(cache_dtype);
     const void *k_cache = kv_layer;
     const void *v_cache = (const char *)kv_layer + half * (int64_t)elem;
     int64_t tokens = 0; /* of the decode rows' contexts */
