@@ -1,5 +1,6 @@
-"""FP8 weights against the unquantized model, as vLLM reports quantization accuracy: greedy
-agreement and the mean absolute logprob difference over a prompt set.
+"""FP8 weights (``--quantization fp8``) or an FP8 KV cache (``--kv-cache-dtype fp8``) against
+the model as loaded, as vLLM reports quantization accuracy: greedy agreement and the mean
+absolute logprob difference over a prompt set.
 
 Both are taken teacher-forced, so that one early flip does not decide every later position:
 the unquantized model's greedy continuation of each prompt is scored by both models
@@ -9,11 +10,13 @@ the unquantized model's greedy continuation of each prompt is scored by both mod
 - mean |Δ logprob|: of the token that actually follows (the reference's choice), in nats.
 
 Also reported: free-running greedy agreement (the share of generated tokens equal to the
-reference's, position by position, up to the first difference included) and the projections'
-weight bytes. The tiny models' random weights give near-flat logits, where any perturbation
-flips an argmax: their figures are a floor, not what a trained model loses.
+reference's, position by position, up to the first difference included) and the bytes the FP8
+side changes (the projections' weights, or a KV block). The tiny models' random weights give
+near-flat logits, where any perturbation flips an argmax: their figures are a floor, not what a
+trained model loses.
 
     python -m benchmarks.fp8_accuracy                         # the three tiny dense models
+    python -m benchmarks.fp8_accuracy --kv-cache              # the FP8 KV cache instead
     python -m benchmarks.fp8_accuracy --model /path/to/hf/dir --json out.json
 """
 
@@ -45,10 +48,14 @@ def _projection_bytes(llm: LLM) -> int:
     )
 
 
-def compare(model: str, count: int = 16, new_tokens: int = 32, **engine: object) -> dict:
-    """One model's row: the reference (as loaded) against ``quantization="fp8"``."""
+def compare(
+    model: str, count: int = 16, new_tokens: int = 32, kv_cache: bool = False, **engine: object
+) -> dict:
+    """One model's row: the reference (as loaded) against ``quantization="fp8"`` (its weights)
+    or, with ``kv_cache``, ``kv_cache_dtype="fp8"``."""
+    variant = {"kv_cache_dtype": "fp8"} if kv_cache else {"quantization": "fp8"}
     ref = LLM(model=model, **engine)  # type: ignore[arg-type]
-    fp8 = LLM(model=model, quantization="fp8", **engine)  # type: ignore[arg-type]
+    fp8 = LLM(model=model, **variant, **engine)  # type: ignore[arg-type]
     prompts = _prompts(ref.engine.vocab_size, count, seed=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]
@@ -73,9 +80,14 @@ def compare(model: str, count: int = 16, new_tokens: int = 32, **engine: object)
         "top1_agreement": round(float(np.mean(top_same)), 4),
         "mean_abs_logprob_diff": round(float(np.mean(deltas)), 4),
         "free_running_agreement": round(sum(free) / sum(map(len, want)), 4),
-        "projection_bytes": _projection_bytes(ref),
-        "projection_bytes_fp8": _projection_bytes(fp8),
+        "what": "kv cache" if kv_cache else "weights",
+        "bytes": _kv_block_bytes(ref) if kv_cache else _projection_bytes(ref),
+        "bytes_fp8": _kv_block_bytes(fp8) if kv_cache else _projection_bytes(fp8),
     }
+
+
+def _kv_block_bytes(llm: LLM) -> int:
+    return llm.engine.runner.store_spec.bytes_per_block
 
 
 def plot(report: dict, path: Path) -> None:
@@ -88,7 +100,8 @@ def plot(report: dict, path: Path) -> None:
     ax_top.set_ylim(0, 1)
     ax_lp.bar(names, [r["mean_abs_logprob_diff"] for r in rows], color="tab:orange")
     ax_lp.set_ylabel("mean |Δ logprob|, nats (lower is better)")
-    fig.suptitle("FP8 weights against the unquantized model")
+    what = rows[0]["what"] if rows else "weights"
+    fig.suptitle(f"FP8 {what} against the model as loaded")
     save_figure(fig, path)
 
 
@@ -98,16 +111,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="the FP8 KV cache (--kv-cache-dtype fp8), not FP8 weights")  # fmt: skip
     args = p.parse_args(argv)
     models = [args.model] if args.model else list(TINY)
-    rows = [
-        compare(m, args.prompts, args.new_tokens, dtype=args.dtype, cpu_threads=args.cpu_threads)
-        for m in models
-    ]
+    engine = {"dtype": args.dtype, "cpu_threads": args.cpu_threads}
+    rows = [compare(m, args.prompts, args.new_tokens, args.kv_cache, **engine) for m in models]
+    label = "KV bytes" if args.kv_cache else "proj. bytes"
     print(f"{'model':<14} {'positions':>9} {'top-1 agree':>11} {'mean|Δlp|':>10} "
-          f"{'free-run':>9} {'proj. bytes':>13}")  # fmt: skip
+          f"{'free-run':>9} {label:>13}")  # fmt: skip
     for r in rows:
-        ratio = r["projection_bytes_fp8"] / r["projection_bytes"]
+        ratio = r["bytes_fp8"] / r["bytes"]
         print(
             f"{r['model'][:14]:<14} {r['positions']:>9} {r['top1_agreement']:>11.4f} "
             f"{r['mean_abs_logprob_diff']:>10.4f} {r['free_running_agreement']:>9.4f} "

@@ -21,6 +21,9 @@ them):
                             plus the chunk's step alone
   profiler                  kernels per decode step and GPU-busy share (``torch.profiler``)
   sampler share             the sampler (temperature + top-p, batch 64) against the step
+  host KV tier, fp8 weights, fp8 KV cache, fused MoE
+                            their kernels against a plain reference (fp8 KV: decode over the
+                            e4m3 cache == over it widened), and their times
   throughput vs HF          the nano-vllm workload, short form (``benchmarks/throughput.py``)
   host step                 the host's own work per decode step (benchmarks/host_step.py)
                             against the device's step at the same batch
@@ -56,6 +59,7 @@ from benchmarks.gpu_check_measure import (
     env_section,
     environment,
     fp8_gemm,
+    fp8_kv_decode,
     fused_moe_kernel,
     host_step,
     host_tier_copies,
@@ -84,6 +88,7 @@ SECTIONS = [
     Section("sampler share", sampler_share, False, 5),
     Section("host KV tier", host_tier_copies, False, 5),
     Section("fp8 weights", fp8_gemm, True, 5),
+    Section("fp8 KV cache", fp8_kv_decode, True, 5),
     Section("fused MoE", fused_moe_kernel, True, 5),
     Section("throughput vs HF", throughput_vs_hf, False, 40),
     Section("host step", host_step, False, 10),  # after the shared engine's last use

@@ -447,6 +447,43 @@ def fp8_gemm(ctx: Context) -> list[Row]:
     return rows
 
 
+def fp8_kv_decode(ctx: Context) -> list[Row]:
+    """The decode kernel over an FP8 KV cache (``--kv-cache-dtype fp8``) at the larger batch and
+    4x the decode context, Llama-3-8B's attention heads (32/8 of 128): the same output as over
+    the cache widened to the run's dtype first (e4m3 values are exact in it), and both times
+    (the FP8 cache reads half a bf16 cache's bytes)."""
+    from kernels.paged_decode_attention import paged_decode_attention
+
+    dev, p = ctx.device, ctx.profile
+    dtype = getattr(torch, p.dtype)
+    heads, kv_heads, dim, bs = (32, 8, 128, 16) if dev.type == "cuda" else (4, 2, 32, 16)
+    cuda = dev.type == "cuda"
+    batch, context = p.batches[-1], (4 if cuda else 1) * p.decode_context
+    repeat = 20 if cuda else 1  # (the CPU runs the interpreter: seconds per call)
+    blocks_per_seq = -(-context // bs)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, batch * blocks_per_seq, bs, kv_heads, dim, generator=g) * 4
+    fp8 = cache.to(torch.float8_e4m3fn).to(dev)
+    wide = fp8.to(dtype)
+    tables = torch.randperm(batch * blocks_per_seq, generator=g).view(batch, -1)
+    tables = tables.to(dev, torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, heads, dim, generator=g).to(dev, dtype)
+    scale = dim**-0.5
+    got = paged_decode_attention(q, fp8, tables, lens, scale, max_seq_len=context)
+    want = paged_decode_attention(q, wide, tables, lens, scale, max_seq_len=context)
+    same = bool(torch.equal(got, want))
+    rows = [Row.check("decode over fp8 KV == over the widened cache", same,
+                      "bit-identical" if same else "differs", "equal")]  # fmt: skip
+    ms8 = timed_ms(lambda: paged_decode_attention(q, fp8, tables, lens, scale,
+                                                  max_seq_len=context), dev, repeat)  # fmt: skip
+    ms = timed_ms(lambda: paged_decode_attention(q, wide, tables, lens, scale,
+                                                 max_seq_len=context), dev, repeat)  # fmt: skip
+    measured = f"{ms8:.3f} ms vs {ms:.3f} ms in {p.dtype} ({batch} x {context} tokens)"
+    rows.append(Row.perf("fp8 KV decode time", None, measured, "info", ms_fp8=ms8, ms=ms))
+    return rows
+
+
 def fused_moe_kernel(ctx: Context) -> list[Row]:
     """``kernels/fused_moe.py`` against the plain per-expert path (``common.models.moe``) at
     Qwen3-30B-A3B's MoE shape (hidden 2048, 128 experts of 768, top 8; on CPU a small one) for

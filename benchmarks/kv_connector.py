@@ -3,6 +3,7 @@ it, and what does saving it add to a prefill? Beside the box's raw limits, measu
 
     python -m benchmarks.kv_connector                # CPU: 32 KiB of KV per token, file + shm
     python -m benchmarks.kv_connector --stores file shm redis
+    python -m benchmarks.kv_connector --kv-cache-dtype auto fp8   # FP8 rows beside the dtype's
     python -m benchmarks.kv_connector --shape llama-3.2-1b --dtype bfloat16 \\
         --prompts 32x1024 8x4096 2x16384             # the GPU table of docs/BENCHMARKS.md
 
@@ -50,7 +51,9 @@ GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 # -- engine phases --------------------------------------------------------------------------------
-def make_engine(args: argparse.Namespace, model: str, url: str | None, role: str | None):
+def make_engine(
+    args: argparse.Namespace, model: str, url: str | None, role: str | None, kv_dtype: str = "auto"
+):
     longest = max(n for _, n in args.prompts)
     return EngineCore(
         EngineConfig.from_kwargs(
@@ -63,6 +66,7 @@ def make_engine(args: argparse.Namespace, model: str, url: str | None, role: str
             kv_store=url,
             kv_role=role,
             cpu_threads=args.cpu_threads,
+            kv_cache_dtype=kv_dtype,
         ),
         create_store_connector,
     )
@@ -131,11 +135,13 @@ def prompts_of(spec: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (count, length), generator=g).tolist()
 
 
-def engine_phases(args, model: str, url: str, prompts: list[list[int]]) -> dict[str, float]:
+def engine_phases(
+    args, model: str, url: str, prompts: list[list[int]], kv_dtype: str
+) -> dict[str, float]:
     """Best seconds of prefill, prefill+save and load for one store and prompt set."""
-    plain = make_engine(args, model, None, None)
-    producer = make_engine(args, model, url, "producer")
-    consumer = make_engine(args, model, url, "consumer")
+    plain = make_engine(args, model, None, None, kv_dtype)
+    producer = make_engine(args, model, url, "producer", kv_dtype)
+    consumer = make_engine(args, model, url, "consumer", kv_dtype)
     store = producer.connector[1].store  # type: ignore[index]
     warm = [([5, 6, 7] * 11, None)]
     for engine in (plain, producer, consumer):
@@ -287,10 +293,12 @@ def store_urls(stores: list[str], base: Path, stack: contextlib.ExitStack) -> di
 
 def measure(args: argparse.Namespace) -> dict:
     model = str(write_dummy_shape(args.shape))
-    probe = make_engine(args, model, None, None)
-    spec, vocab = probe.runner.spec, probe.vocab_size
-    device = probe.runner.device
-    probe.close()
+    specs = {}
+    for kv_dtype in args.kv_cache_dtype:
+        probe = make_engine(args, model, None, None, kv_dtype)
+        specs[kv_dtype], vocab, device = probe.runner.spec, probe.vocab_size, probe.runner.device
+        probe.close()
+    spec = specs[args.kv_cache_dtype[0]]
     per_token = spec.bytes_per_block // spec.block_size
     report: dict = {"shape": args.shape, "device": str(device), "kv_bytes_per_token": per_token}
     report["rows"] = []
@@ -298,12 +306,16 @@ def measure(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, base, True)
         urls = store_urls(args.stores, base, stack)
-        cases = [(s, p) for s in urls for p in args.prompts]
-        for store, spec_p in tqdm(cases, desc="kv connector phases"):
+        cases = [(s, p, d) for s in urls for p in args.prompts for d in args.kv_cache_dtype]
+        for store, spec_p, kv_dtype in tqdm(cases, desc="kv connector phases"):
             prompts = prompts_of(spec_p, vocab, seed=spec_p[1])
-            best = engine_phases(args, model, urls[store], prompts)
-            nbytes = sum(-(-len(p) // spec.block_size) for p in prompts) * spec.bytes_per_block
+            best = engine_phases(args, model, urls[store], prompts, kv_dtype)
+            block = specs[kv_dtype].bytes_per_block
+            nbytes = sum(-(-len(p) // spec.block_size) for p in prompts) * block
             report["rows"].append(row(store, spec_p, nbytes, best))
+            report["rows"][-1].update(
+                kv_dtype=kv_dtype, kv_bytes_per_token=block // spec.block_size
+            )
         report["raw"] = raw_limits(args, urls, base, spec.bytes_per_block, device)
     return report
 
@@ -347,15 +359,16 @@ def markdown(report: dict) -> str:
         f"shape {report['shape']} on {report['device']}, {report['kv_bytes_per_token']} B of KV"
         " per token",
         "",
-        "| store | prompts | KV GB | prefill ms | prefill+save ms (x) | load ms (x) | load GB/s |"
-        " transfer ms | transfer GB/s (of raw read) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| store | prompts | KV dtype (B/token) | KV GB | prefill ms | prefill+save ms (x) |"
+        " load ms (x) | load GB/s | transfer ms | transfer GB/s (of raw read) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         raw_read = raw.get("redis_read_GBps" if r["store"] == "redis" else "file_read_GBps")
         vs_raw = f" ({r['transfer_GBps'] / raw_read:.0%})" if raw_read else ""
         lines.append(
-            f"| {r['store']} | {r['prompts']} | {r['kv_GB']:.3f} | {r['prefill_ms']:.0f} |"
+            f"| {r['store']} | {r['prompts']} | {r['kv_dtype']} ({r['kv_bytes_per_token']}) |"
+            f" {r['kv_GB']:.3f} | {r['prefill_ms']:.0f} |"
             f" {r['prefill_save_ms']:.0f} ({r['save_over_prefill']:.2f}x) |"
             f" {r['load_ms']:.0f} ({r['load_over_prefill']:.2f}x) | {r['load_GBps']:.2f} |"
             f" {r['transfer_ms']:.0f} | {r['transfer_GBps']:.2f}{vs_raw} |"
@@ -371,7 +384,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["rows"]
-    labels = [f"{r['store']}\n{r['prompts']}" for r in rows]
+    labels = [f"{r['store']} {r.get('kv_dtype', '')}\n{r['prompts']}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     phases = (
@@ -399,6 +412,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", default="cpu-kv32k", help="a shape of common/models/shapes.py")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                   help="KV cache dtypes to run side by side (auto fp8: the FP8 rows too)")  # fmt: skip
     p.add_argument("--device", default="auto")
     p.add_argument("--stores", nargs="+", default=["file", "shm"], help="file, shm, redis")
     p.add_argument("--prompts", nargs="+", type=parse_prompts, default=None, help="COUNTxLEN")

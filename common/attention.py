@@ -86,9 +86,9 @@ class TorchAttentionBackend:
                 groups.append([i])
         return groups
 
-    def _gather(self, kv_layer, tables: torch.Tensor, length: int):
-        """K, V of ``tables (S, nb)``: ``(S, nb * block_size, Hkv, D)`` views of the workspace,
-        cut to ``length`` tokens."""
+    def _gather(self, kv_layer, tables: torch.Tensor, length: int, dtype: torch.dtype):
+        """K, V of ``tables (S, nb)`` in ``dtype``: ``(S, nb * block_size, Hkv, D)`` views of
+        the workspace, cut to ``length`` tokens (copies when an FP8 cache is widened)."""
         _, num_blocks, bs, hkv, d = kv_layer.shape
         flat = kv_layer.view(2, num_blocks, bs * hkv * d)
         ids = tables.reshape(-1).long()
@@ -98,7 +98,10 @@ class TorchAttentionBackend:
         torch.index_select(flat[0], 0, ids, out=k)
         torch.index_select(flat[1], 0, ids, out=v)
         shape = (*tables.shape[:-1], tables.shape[-1] * bs, hkv, d)
-        return k.view(shape)[..., :length, :, :], v.view(shape)[..., :length, :, :]
+        k, v = k.view(shape)[..., :length, :, :], v.view(shape)[..., :length, :, :]
+        if dtype != kv_layer.dtype:  # an FP8 cache: widened to the queries' dtype (exact)
+            k, v = k.to(dtype), v.to(dtype)
+        return k, v
 
     def _space(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         ws = self._workspace
@@ -111,7 +114,7 @@ class TorchAttentionBackend:
     def _prefill(self, q, kv_layer, meta, seq: int, scale: float) -> torch.Tensor:
         seq_len, q_len = meta.seq_lens_cpu[seq], meta.query_lens[seq]
         num_blocks = -(-seq_len // kv_layer.shape[2])
-        k, v = self._gather(kv_layer, meta.block_tables[seq, :num_blocks], seq_len)
+        k, v = self._gather(kv_layer, meta.block_tables[seq, :num_blocks], seq_len, q.dtype)
         mask = None
         if q_len != seq_len:  # queries sit at the end of the context
             pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -134,7 +137,7 @@ class TorchAttentionBackend:
         max_len = max(lens)
         num_blocks = -(-max_len // kv_layer.shape[2])
         tables = meta.block_tables[rows, :num_blocks]
-        k, v = self._gather(kv_layer, tables, max_len)  # (S, L, Hkv, D)
+        k, v = self._gather(kv_layer, tables, max_len, q.dtype)  # (S, L, Hkv, D)
         mask = None
         if min(lens) < max_len:
             lens_t = torch.tensor(lens, device=q.device)
@@ -256,6 +259,7 @@ def _flash_prefill(out, query, kv_layer, rows: RowTensors, max_len: int, scale) 
     _, _, _, num_kv_heads, head_dim = kv_layer.shape
     k = kv_layer[0].reshape(-1, num_kv_heads, head_dim).index_select(0, rows.flash_slots)
     v = kv_layer[1].reshape(-1, num_kv_heads, head_dim).index_select(0, rows.flash_slots)
+    k, v = k.to(query.dtype), v.to(query.dtype)  # an FP8 cache widened (else no copy)
     q, cu = query.index_select(0, rows.flash_tokens), rows.flash_cu_seqlens
     gqa = {"enable_gqa": True} if _takes_gqa(varlen_attn) else {}
     if not gqa and num_kv_heads != q.shape[1]:  # torch 2.11's kernel wants equal head counts

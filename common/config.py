@@ -14,6 +14,7 @@ from common.spec_decode.config import SpeculativeConfig
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # host memory for prefix-cache blocks evicted from the device (0: none; common/host_kv_tier)
     kv_offload_gb: float = 0.0
+    # the cache's element type: "auto" (the model's dtype) or "fp8" (e4m3 with per-layer
+    # scales: common/models/loader.kv_cache_torch_dtype); "fp8_e4m3" is the same
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -60,6 +64,10 @@ class CacheConfig:
             raise ValueError(f"kv_offload_gb must be >= 0, got {self.kv_offload_gb}")
         if self.kv_offload_gb and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gb needs prefix caching (it holds evicted cached blocks)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

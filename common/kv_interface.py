@@ -29,6 +29,9 @@ class KVCacheSpec:
     # the weights' quantization when the engine quantized them at load (their KV differs from
     # the checkpoint's: the fingerprint must tell them apart); None: as the checkpoint holds them
     weight_quantization: str | None = None
+    # an FP8 cache's per-layer scales (k_0, v_0, k_1, …): entries hold K / k_scale, so another
+    # set of scales reads the same bytes as other values; () or all ones: none
+    kv_scales: tuple[float, ...] = ()
 
     @property
     def bytes_per_block(self) -> int:

@@ -29,7 +29,7 @@ from common.kv_connector import ConnectorHooks, KVConnectorWorker
 from common.kv_interface import ConnectorMetadata, KVCacheSpec
 from common.memory_profile import KVReserve, StepLimits, cuda_kv_budget
 from common.models.llama import LlamaForCausalLM
-from common.models.loader import build_model, resolve_dtype
+from common.models.loader import build_model, kv_cache_torch_dtype, resolve_dtype
 from common.parallel.group import TensorParallel, agree_on_min
 from common.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from common.request import TokenLogprobs
@@ -178,12 +178,17 @@ class ModelRunner:
         self.vocab_size = a.vocab_size
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
-        self.spec = KVCacheSpec(a.num_layers, kv_heads, a.head_dim, self.block_size, self.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, self.dtype)
+        scales = self.model.kv_scales() if self.kv_dtype != self.dtype else ()
+        self.spec = KVCacheSpec(
+            a.num_layers, kv_heads, a.head_dim, self.block_size, self.kv_dtype, kv_scales=scales
+        )
         # what a KV store entry holds: every KV head, whatever the tensor-parallel size
         quantized = config.quantization if not a.fp8 else None  # (an FP8 config says so itself)
         self.store_spec = KVCacheSpec(
-            a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype, quantized
-        )
+            a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.kv_dtype, quantized,
+            scales,
+        )  # fmt: skip
         blocks_per_seq = -(-max_model_len // self.block_size)
         self.inputs = InputBuffers(
             BatchLimits(
@@ -204,9 +209,9 @@ class ModelRunner:
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): see ARCHITECTURE.md
         shape = (a.num_layers, 2, self.num_blocks, self.block_size, kv_heads, a.head_dim)
         if self.device.type == "cpu":
-            self.kv_cache = zeros_on_huge_pages(shape, self.dtype)
+            self.kv_cache = zeros_on_huge_pages(shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_layers = list(self.kv_cache.unbind(0))  # per-layer views, made once
         self.host_tier: HostKVTier | None = None
         if cache_config.kv_offload_gb:

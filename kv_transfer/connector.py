@@ -25,12 +25,14 @@ ROLES = ("producer", "consumer", "both")
 
 def kv_fingerprint(model_dir: Path, spec: KVCacheSpec) -> str:
     """Layout fingerprint: model identity (its config.json, and the weights' quantization when
-    made at load) + dtype + block size + shape."""
+    made at load) + the cache's dtype (an FP8 cache's scales too) + block size + shape."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     ident = json.dumps(config, sort_keys=True) + f"|{spec.dtype}|{spec.block_size}"
     ident += f"|{spec.num_layers}|{spec.num_kv_heads}|{spec.head_dim}"
     if spec.weight_quantization is not None:
         ident += f"|weights={spec.weight_quantization}"
+    if any(scale != 1.0 for scale in spec.kv_scales):
+        ident += f"|kv_scales={','.join(map(repr, spec.kv_scales))}"
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(model_dir).name)[:40]
     return f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 

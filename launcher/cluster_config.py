@@ -82,6 +82,7 @@ class EngineFlags:
     enforce_eager: bool = False
     enable_expert_parallel: bool = False  # a MoE model at TP > 1: experts sharded whole
     quantization: str | None = None  # "fp8": the projections quantized at load
+    kv_cache_dtype: str | None = None  # "fp8": an e4m3 KV cache (and store entries)
     speculative_config: str | None = None  # vLLM's JSON; the decode nodes use it
     seed: int | None = None
     enable_prefix_caching: bool | None = None  # --[no-]enable-prefix-caching
@@ -226,11 +227,8 @@ class ClusterConfig:
     def from_args(cls, args: argparse.Namespace) -> ClusterConfig:
         free_ports = args.demo  # a demo runs anywhere: it never needs the well-known ports
         d = cls()
-        if args.kv_cache_dtype not in (None, "auto"):
-            raise ValueError(
-                f"--kv-cache-dtype {args.kv_cache_dtype}: not supported yet (the KV cache is in"
-                " the model's dtype); use auto"
-            )
+        if args.kv_cache_dtype == "fp8_e5m2":
+            raise ValueError("--kv-cache-dtype fp8_e5m2: not supported; use fp8 (e4m3)")
         both_tp = args.tensor_parallel_size  # vLLM's -tp: both pools, unless a pool flag says
         return cls(
             model=args.model, prefill=args.prefill, decode=args.decode, kv_store=args.kv_store,
@@ -490,7 +488,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
       help="schedule the next step while one runs (default: on for CUDA)")  # fmt: skip
     g("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
-      help="KV cache dtype: auto (the model's) only, for now")  # fmt: skip
+      help="KV cache dtype: auto (the model's) or fp8 (e4m3, half the bytes of bf16 in the"
+           " cache and in every transfer; e5m2 is refused)")  # fmt: skip
     g("--trust-remote-code", action="store_true",
       help="accepted for vLLM's command lines: pdserve runs only its own code for the"
            " architectures it supports, never a checkpoint's")  # fmt: skip

@@ -37,6 +37,7 @@ ENGINE_OPTIONS = (
     "cpu_threads",
     "kv_cache_memory_gb",
     "kv_offload_gb",
+    "kv_cache_dtype",
     "gpu_memory_utilization",
     "enforce_eager",
     "enable_expert_parallel",
@@ -79,6 +80,7 @@ class NodeOptions:
     cpu_threads: int | None = None
     kv_cache_memory_gb: float | None = None
     kv_offload_gb: float | None = None
+    kv_cache_dtype: str | None = None
     gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None
     enable_expert_parallel: bool | None = None
@@ -217,6 +219,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--cpu-threads", int, "engine (CPU): torch threads of the engine process"),
     ("--kv-cache-memory-gb", float, "engine: KV cache size in GiB (default: from free memory)"),
     ("--kv-offload-gb", float, "engine: host memory for KV blocks evicted from the cache (GiB)"),
+    ("--kv-cache-dtype", str, "engine: auto (the model's dtype) or fp8 (e4m3 KV cache, scaled)"),
     ("--gpu-memory-utilization", float, "engine (CUDA): share of GPU memory to use (default 0.9)"),
     ("--enforce-eager", "flag", "engine (CUDA): no decode CUDA graphs"),
     ("--enable-expert-parallel", "flag", "engine: a MoE model's experts sharded over the TP ranks"),

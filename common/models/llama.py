@@ -38,6 +38,7 @@ from common.models.preflight import architecture
 from common.parallel.group import TensorParallel
 from common.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
+from kernels._common import FP8_KV_DTYPE
 
 _ops = torch.ops.pdserve
 
@@ -185,6 +186,9 @@ class Attention(nn.Module):
         self.qkv_proj = projection(args.hidden_size, qkv, args.qkv_bias, args.fp8)
         self.o_proj = projection(self.q_size, args.hidden_size, args.o_bias, args.fp8, tp)
         self.scale = args.head_dim**-0.5
+        # an FP8 KV cache holds K / k_scale and V / v_scale (the checkpoint's ``k_scale`` and
+        # ``v_scale``, else 1, as vLLM): k_scale joins the softmax scale, v_scale the output
+        self.k_scale = self.v_scale = 1.0
         self.backend = backend
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -195,6 +199,14 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
         if self.qk_norm:
             qkv = self._norm_heads(qkv)
+        scale, fp8_scaled = self.scale, False
+        if kv_layer.dtype == FP8_KV_DTYPE:
+            scale *= self.k_scale
+            fp8_scaled = self.k_scale != 1.0 or self.v_scale != 1.0
+            if fp8_scaled:  # the cache's units (rotating K / s is rotating K, then / s)
+                k_v = qkv[:, self.q_size :].unflatten(1, (2, self.kv_size))
+                k_v[:, 0].div_(self.k_scale)
+                k_v[:, 1].div_(self.v_scale)
         hooks = meta.hooks
         if hooks is not None:
             hooks.before_layer(self.layer)  # remote KV of this layer must have landed
@@ -209,7 +221,9 @@ class Attention(nn.Module):
         )  # (T, H, D); rotated k and v are in the cache now
         if hooks is not None:
             hooks.after_layer(self.layer, kv_layer)
-        o = self.backend.attend(q, kv_layer, meta, self.scale)  # (T, H, D)
+        o = self.backend.attend(q, kv_layer, meta, scale)  # (T, H, D)
+        if fp8_scaled and self.v_scale != 1.0:
+            o = o * self.v_scale
         return self.o_proj(o.view(-1, self.q_size))
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -308,6 +322,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, self.rotary, kv_layer, meta)
         return self.norm(x, residual)[0]
 
+    def kv_scales(self) -> tuple[float, ...]:
+        """Each layer's FP8 KV scales, ``(k_0, v_0, k_1, v_1, …)`` (ones: none were given)."""
+        return tuple(s for layer in self.layers for s in _kv_scales(layer.self_attn))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(B, vocab)`` fp32 for the sampler. Under TP a collective: rank 0 calls this while
         every other rank calls ``lm_head`` on the same rows (its share of the gather)."""
@@ -316,3 +334,7 @@ class LlamaForCausalLM(nn.Module):
             assert logits is not None, "only rank 0 samples"
             return logits
         return self.lm_head(hidden).float()
+
+
+def _kv_scales(attention: Attention) -> tuple[float, float]:
+    return attention.k_scale, attention.v_scale

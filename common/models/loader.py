@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -88,6 +89,16 @@ def resolve_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[name]
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` is the model's dtype;
+    ``fp8`` (``fp8_e4m3``) is e4m3, values divided by each layer's scales (``Attention``)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"unsupported kv_cache_dtype {name!r}; use auto or fp8")
 
 
 def build_model(
@@ -200,6 +211,8 @@ def _load_safetensors(
     for path in tqdm(files, desc="loading weights", disable=len(files) < 2, leave=False):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if _kv_scale(model, hf_name, f):
+                    continue
                 target = _map_name(hf_name, args)
                 if target is None:
                     continue
@@ -222,6 +235,31 @@ def _load_safetensors(
                 _copy_into(params[target.name], tensor, target, args, tp)
                 loaded.add(target.key)
     _check_complete(params, loaded, args, len(experts))
+
+
+_KV_SCALE = re.compile(
+    r"(?:model\.)?layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?([kv])_scale$"
+)
+
+
+def _kv_scale(model: LlamaForCausalLM, hf_name: str, f: Any) -> bool:
+    """An FP8 KV scale of the checkpoint (``layers.N.self_attn.k_scale``; llm-compressor and
+    older vLLM exports put it under ``k_proj.``/``attn.``): set on its layer (used only with
+    an FP8 cache). False: not one."""
+    match = _KV_SCALE.fullmatch(hf_name)
+    if match is None:
+        return False
+    tensor = f.get_tensor(hf_name)
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"{hf_name} has {tensor.numel()} values: per-head KV scales are not supported"
+        )
+    value = float(tensor.float().reshape(-1)[0])
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{hf_name} = {value}: a KV scale must be positive and finite")
+    attention = model.layers[int(match.group(1))].self_attn
+    setattr(attention, f"{match.group(2)}_scale", value)
+    return True
 
 
 def _map_name(hf_name: str, args: LlamaArgs) -> Target | None:

@@ -19,7 +19,7 @@ import torch
 from common.config import EngineConfig, ModelConfig
 from common.memory_profile import KVReserve
 from common.models.llama import LlamaArgs
-from common.models.loader import build_on_meta, read_hf_config, resolve_dtype
+from common.models.loader import build_on_meta, kv_cache_torch_dtype, read_hf_config, resolve_dtype
 from common.models.tiny import resolve_model_path
 from common.request import Request
 from common.sampling_params import SamplingParams
@@ -39,7 +39,8 @@ def draft_footprint(config: SpeculativeConfig, target: EngineConfig) -> KVReserv
     elem = torch.empty((), dtype=dtype).element_size()
     weights = {id(p): p.numel() for p in model.parameters()}  # a tied tensor once
     per_block = args.num_layers * 2 * target.cache.block_size * args.num_kv_heads * args.head_dim
-    return KVReserve(sum(weights.values()) * elem, per_block * elem)
+    kv_elem = kv_cache_torch_dtype(target.cache.kv_cache_dtype, dtype).itemsize  # (as the target)
+    return KVReserve(sum(weights.values()) * elem, per_block * kv_elem)
 
 
 class DraftModelProposer:

@@ -80,7 +80,7 @@ def test_quick_run_on_cpu(tmp_path):
     assert [s.name for s in gpu_check.SECTIONS] == list(dict.fromkeys(rows_of(report)))
     assert not [r for r in report["rows"] if r["measured"].startswith("error")]
     correctness = [r for r in report["rows"] if r["correctness"]]
-    assert len(correctness) == 8 and all(r["status"] == "pass" for r in correctness)
+    assert len(correctness) == 9 and all(r["status"] == "pass" for r in correctness)
     assert rows["kernel tests"]["values"]["tests"] > 0
     assert rows["eager == graph replay"]["measured"].startswith("4/4 prompts equal")
     assert rows["eager == graph-replayed verification"]["measured"].startswith("4/4 prompts equal")

@@ -48,7 +48,7 @@ def test_quantization_at_load_makes_every_projection_fp8_and_stays_close():
     # below (top-1 agreement of random logits: ~0.001)
     row = compare("tiny-llama", count=6, new_tokens=16)
     assert row["top1_agreement"] >= 0.4 and row["mean_abs_logprob_diff"] <= 1.3, row
-    assert row["projection_bytes_fp8"] * 3.8 < row["projection_bytes"]  # fp32 → 1 byte + scales
+    assert row["bytes_fp8"] * 3.8 < row["bytes"]  # fp32 projections → 1 byte + scales
     with pytest.raises(ValueError, match="unsupported quantization 'int4'"):
         LLM(model="tiny-llama", quantization="int4")
 

@@ -175,8 +175,11 @@ def test_vllm_flags_up_takes() -> None:
     assert (engine.model.seed, engine.cache.enable_prefix_caching) == (3, False)
     assert engine.async_scheduling is True
     assert "--enable-prefix-caching" not in config("--device", "cpu").node_argv()
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: not supported yet"):
-        config("--kv-cache-dtype", "fp8")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e5m2: not supported"):
+        config("--kv-cache-dtype", "fp8_e5m2")
+    fp8 = config("--device", "cpu", "--kv-cache-dtype", "fp8").node_argv()
+    options = options_from_args(parser.parse_args([*fp8, "--kv-store", "shm:///x"]), 0, env={})
+    assert options.engine_config("consumer").cache.kv_cache_dtype == "fp8"
     names = config("--served-model-name", "a", "b")
     assert names.served_name == "a" and names.router_argv() == ["--served-model-name", "a", "b"]
     router_parser = argparse.ArgumentParser()
