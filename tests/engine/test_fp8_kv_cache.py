@@ -27,9 +27,13 @@ ARGS = dict(model="tiny-llama", block_size=16, max_num_batched_tokens=256, num_b
 SCORE = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
 
 
-def _engine(url: str | None = None, role: str | None = None, **extra) -> EngineCore:
+def _engine(
+    url: str | None = None, role: str | None = None, staged: bool = False, **extra
+) -> EngineCore:
+    """``staged``: loads land through staging and a gather into the cache, as on CUDA."""
     config = EngineConfig.from_kwargs(**ARGS, kv_store=url, kv_role=role, **extra)
-    return EngineCore(config, functools.partial(create_store_connector) if url else None)
+    factory = functools.partial(create_store_connector, read_in_place=not staged)
+    return EngineCore(config, factory if url else None)
 
 
 def test_the_cache_and_its_entries_take_one_byte_per_value():
@@ -49,17 +53,21 @@ def test_the_cache_and_its_entries_take_one_byte_per_value():
         LLM(model="tiny-llama", kv_cache_dtype="fp8_e5m2")
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])
-def test_disaggregated_through_the_store_equals_colocated(tmp_path, greedy):
+@pytest.mark.parametrize(
+    ("greedy", "store", "staged"),
+    [(True, "file", False), (False, "file", False), (True, "shm", True)],
+    ids=["greedy-file", "seeded-file", "greedy-shm-staged"],
+)
+def test_disaggregated_through_the_store_equals_colocated(tmp_path, greedy, store, staged):
     ps = prompts()
-    url = f"file://{tmp_path}/kv"
+    url = f"{store}://{tmp_path}/kv"
     colocated = _engine(kv_cache_dtype="fp8")
     want = run(colocated, [(str(i), p, params(12, greedy), None) for i, p in enumerate(ps)])
     colocated.close()
     producer = _engine(url, "producer", kv_cache_dtype="fp8")
     first = run(producer, [(str(i), p, params(1, greedy), None) for i, p in enumerate(ps)])
     producer.close()
-    consumer = _engine(url, "consumer", kv_cache_dtype="fp8")
+    consumer = _engine(url, "consumer", staged, kv_cache_dtype="fp8")
     rest = run(consumer, [
         (str(i), p, params(12, greedy), first[str(i)]["tokens"], first[str(i)]["handle"])
         for i, p in enumerate(ps)

@@ -112,3 +112,18 @@ def test_a_cache_of_another_wide_dtype_is_refused(paged_context: Callable, devic
     half = ctx.kv_cache_layer.to(torch.bfloat16)  # fp16 queries take fp16 or FP8 K/V only
     with pytest.raises(ValueError, match="q must have dtype in"):
         paged_decode_attention(q, half, ctx.block_tables, ctx.seq_lens, 0.125)
+
+
+def test_block_copies_move_fp8_blocks_as_bytes(device) -> None:
+    """The connector's and host tier's gather/scatter kernels over an FP8 cache: the same bytes
+    out, the same bytes back (nothing converted on the way)."""
+    from kernels.block_copy import gather_blocks, ref_gather_blocks, scatter_blocks
+
+    cache = (torch.randn(3, 2, 10, 16, 2, 64, device=device) * 50).to(FP8)
+    ids = torch.tensor([7, 2, 9], device=device)
+    packed = gather_blocks(cache, ids)
+    assert torch.equal(_bytes(packed), _bytes(ref_gather_blocks(cache, ids)))
+    target = torch.zeros_like(cache)
+    scatter_blocks(target, ids, packed)
+    assert torch.equal(_bytes(target[:, :, ids]), _bytes(cache[:, :, ids]))
+    assert not _bytes(target[:, :, [0, 1, 3]]).any()
