@@ -136,7 +136,7 @@ def kv_section_args(ctx: Context) -> argparse.Namespace:
     return argparse.Namespace(
         shape=p.kv_shape, dtype=p.dtype, device=str(ctx.device), stores=["file"],
         prompts=list(p.kv_prompts), repeat=1, max_num_batched_tokens=2048, cpu_threads=None,
-        raw_threads=2, dir=str(shm if roomy else ctx.work_dir),
+        raw_threads=2, dir=str(shm if roomy else ctx.work_dir), kv_cache_dtype=["auto"],
     )  # fmt: skip
 
 
