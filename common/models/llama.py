@@ -324,7 +324,8 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_scales(self) -> tuple[float, ...]:
         """Each layer's FP8 KV scales, ``(k_0, v_0, k_1, v_1, …)`` (ones: none were given)."""
-        return tuple(s for layer in self.layers for s in _kv_scales(layer.self_attn))
+        attention = [layer.self_attn for layer in self.layers]
+        return tuple(s for a in attention for s in (a.k_scale, a.v_scale))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(B, vocab)`` fp32 for the sampler. Under TP a collective: rank 0 calls this while
@@ -334,7 +335,3 @@ class LlamaForCausalLM(nn.Module):
             assert logits is not None, "only rank 0 samples"
             return logits
         return self.lm_head(hidden).float()
-
-
-def _kv_scales(attention: Attention) -> tuple[float, float]:
-    return attention.k_scale, attention.v_scale
