@@ -19,7 +19,6 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the FP8 KV cache's element type (``--kv-cache-dtype fp8``): written saturating to +-448 with
 # round-to-nearest-even (torch's conversion), read widened to the queries' dtype
 FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = 448.0
 
 
 def kv_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:

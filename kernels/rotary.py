@@ -29,7 +29,6 @@ import triton.language as tl
 from kernels import native
 from kernels._common import (
     FLOAT_DTYPES,
-    FP8_KV_DTYPE,
     bench_ms,
     check,
     check_dtype,
@@ -162,7 +161,7 @@ def _check_args(args: _Args) -> None:
             and head_dim % 2 == 0
             and head_dim <= _MAX_HEAD_DIM
             and dtype in FLOAT_DTYPES
-            and kv.dtype in (dtype, FP8_KV_DTYPE)
+            and kv.dtype in kv_dtypes(dtype)
             and kv.stride()[2:] == (num_kv_heads * head_dim, head_dim, 1)
             and width == (num_heads + 2 * num_kv_heads) * head_dim
             and qkv.stride(1) == 1

@@ -133,10 +133,9 @@ class StagedLoader(SlotLoader):
         ids = torch.tensor([item.block_ids[i] for i in good])
         if len(good) != len(item.ok):
             src = src.index_select(0, torch.tensor(good))
-        dst = self._kv_cache[layer]
-        if dst.dtype.itemsize == 1:  # an FP8 cache: index_copy_ has no CPU kernel for float8
-            dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-        dst.index_copy_(1, ids, src.transpose(0, 1))
+        # as bytes: the same copy for every cache dtype (index_copy_ has no float8 CPU kernel)
+        dst = self._kv_cache[layer].view(torch.uint8)
+        dst.index_copy_(1, ids, src.view(torch.uint8).transpose(0, 1))
 
 
 class StreamLoader(StagedLoader):

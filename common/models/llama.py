@@ -32,13 +32,12 @@ import torch
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata
-from common.models.fp8 import checkpoint_quantization, projection
+from common.models.fp8 import FP8, checkpoint_quantization, projection
 from common.models.moe import MoeArgs, SparseMoe
 from common.models.preflight import architecture
 from common.parallel.group import TensorParallel
 from common.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
-from kernels._common import FP8_KV_DTYPE
 
 _ops = torch.ops.pdserve
 
@@ -200,7 +199,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             qkv = self._norm_heads(qkv)
         scale, fp8_scaled = self.scale, False
-        if kv_layer.dtype == FP8_KV_DTYPE:
+        if kv_layer.dtype == FP8:  # an FP8 KV cache (the e4m3 of FP8 weights)
             scale *= self.k_scale
             fp8_scaled = self.k_scale != 1.0 or self.v_scale != 1.0
             if fp8_scaled:  # the cache's units (rotating K / s is rotating K, then / s)

@@ -27,17 +27,26 @@ enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_FP8_E4M3 = 2 };
      : (dtype) == DTYPE_BF16 ? sizeof(uint16_t)                                                \
                              : sizeof(uint8_t))
 
-static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
+/* A float's bit pattern and back (memcpy: no aliasing rules broken). */
+static inline __attribute__((always_inline)) uint32_t f32_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return bits;
+}
+
+static inline __attribute__((always_inline)) float bits_f32(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
+static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t x) {
+    return bits_f32((uint32_t)x << 16);
+}
+
 /* Round to nearest even; every NaN becomes the quiet NaN 0x7fc0, as PyTorch's conversion. */
 static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
+    const uint32_t bits = f32_bits(f);
     const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)rounded;
 }
@@ -54,17 +63,12 @@ static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
 static inline __attribute__((always_inline)) float e4m3_to_f32(uint32_t x) {
     const uint32_t a = x & 0x7fu, m = x & 0x7u;
     const uint32_t subnormal_mask = 0u - (uint32_t)(a < 8u), nan_mask = 0u - (uint32_t)(a == 0x7fu);
-    const float fm = (float)(int32_t)m;
-    uint32_t m_bits;
-    memcpy(&m_bits, &fm, sizeof m_bits);
+    const uint32_t m_bits = f32_bits((float)(int32_t)m);
     const uint32_t subnormal = (m_bits - (9u << 23)) & (0u - (uint32_t)(m != 0u));
     const uint32_t normal = (a << 20) + (120u << 23);
     uint32_t magnitude = (subnormal & subnormal_mask) | (normal & ~subnormal_mask);
     magnitude = (0x7ff00000u & nan_mask) | (magnitude & ~nan_mask);
-    const uint32_t bits = ((x & 0x80u) << 24) | magnitude;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return bits_f32(((x & 0x80u) << 24) | magnitude);
 }
 
 /* PyTorch's `x.to(torch.float8_e4m3fn)`. |x| >= 448 (inf too) saturates to 0x7e; a NaN gives
@@ -73,8 +77,7 @@ static inline __attribute__((always_inline)) float e4m3_to_f32(uint32_t x) {
  * 141 - exponent, capped at 25, which leaves 0 for everything below 2^-10 and zeros; kept in
  * [20, 25] for the values that take another branch, so no shift is undefined). */
 static inline __attribute__((always_inline)) uint8_t f32_to_e4m3(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
+    const uint32_t bits = f32_bits(f);
     const uint32_t sign = (bits >> 24) & 0x80u, abs = bits & 0x7fffffffu;
     const uint32_t normal = ((abs + 0x7ffffu + ((abs >> 20) & 1u)) >> 20) - (120u << 3);
     const uint32_t exponent = abs >> 23;
