@@ -7,9 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from common.lora.batch import LoraBatch
 
 
 class LayerHooks(Protocol):
@@ -38,6 +41,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     hooks: LayerHooks | None = None
+    # the step's LoRA rows (``common/lora/batch.py``): None when no row has an adapter
+    lora: LoraBatch | None = None
     # What a backend derives once per step for all layers (its row split, index tensors).
     step_cache: dict[str, Any] = field(default_factory=dict, repr=False)
 

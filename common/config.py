@@ -93,6 +93,22 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA serving (vLLM's flags): ``max_loras`` adapters resident on the device at once
+    (and at most that many distinct ones in a step), each of rank up to ``max_lora_rank``."""
+
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """What the model runner needs; the engine derives it from ``EngineConfig``."""
 
@@ -108,6 +124,7 @@ class RunnerConfig:
     max_seq_len_to_capture: int | None = None  # None: max_model_len
     enable_expert_parallel: bool = False
     quantization: str | None = None  # "fp8": quantize the projections at load
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     device: str = "auto"  # auto: cuda when available, else cpu
     # auto: triton on CUDA; on CPU the native kernel ("cpu") when it builds, else "torch"
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
@@ -179,6 +197,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
         if size > 1 and self.cache.kv_offload_gb:
             raise ValueError("kv_offload_gb is not supported with tensor_parallel_size > 1 yet")
+        if size > 1 and self.lora.enable_lora:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(
@@ -194,13 +214,19 @@ class EngineConfig:
             max_seq_len_to_capture=self.max_seq_len_to_capture,
             enable_expert_parallel=self.enable_expert_parallel,
             quantization=self.quantization,
+            lora=self.lora,
         )
 
     @staticmethod
     def from_kwargs(**kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments (``LLM(model=..., block_size=..., ...)``)."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
-        classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "lora": {}}
+        classes = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "lora": LoraConfig,
+        }
         top: dict[str, Any] = {}
         top_names = {f.name for f in fields(EngineConfig)} - set(classes)
         for key, value in kwargs.items():
@@ -215,6 +241,7 @@ class EngineConfig:
             model=ModelConfig(**parts["model"]),
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
+            lora=LoraConfig(**parts["lora"]),
             **top,
         )
 

@@ -30,6 +30,7 @@ from common.config import EngineConfig
 from common.host_kv_tier import HostTierIndex
 from common.kv_cache_manager import KVCacheManager, cdiv
 from common.kv_interface import KVHandle
+from common.lora.adapter import LoraRef
 from common.memory_profile import KVReserve
 from common.model_runner import ModelRunner, StepResult
 from common.models.loader import read_hf_config
@@ -92,6 +93,7 @@ class EngineCore:
             self.kv_cache_manager,
             self.max_model_len,
             self.connector[0] if self.connector else None,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = eos_token_ids(self.model_dir, self.hf_config)
@@ -190,6 +192,7 @@ class EngineCore:
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
         kv_handle: KVHandle | None = None,
+        lora: LoraRef | None = None,
     ) -> None:
         """Validate and queue. Raises ValueError on bad input, QueueFullError when over bound.
 
@@ -197,15 +200,18 @@ class EngineCore:
         request with ``n`` samples into ``n`` requests before they reach the engine.
         ``output_token_ids`` resumes a request elsewhere: they count as already generated.
         ``kv_handle``: where the prompt's KV is (a prefill node's answer); the connector checks
-        it against the prompt and then loads exactly what it names.
+        it against the prompt and then loads exactly what it names. ``lora``: the adapter it
+        runs under (``enable_lora``; its shapes are checked against the model here).
         """
         self._validate(request_id, prompt_token_ids, params, output_token_ids or [])
+        self._check_lora(lora)
         if self.scheduler.num_waiting >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.scheduler.num_waiting} requests)")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = self._make_request(
-            request_id, prompt_token_ids, params, seed, priority, arrival_time, output_token_ids
-        )
+            request_id, prompt_token_ids, params, seed, priority, arrival_time, output_token_ids,
+            lora,
+        )  # fmt: skip
         if kv_handle is not None:
             self._attach_handle(request, kv_handle)
         if params.structured_outputs is not None:
@@ -233,6 +239,14 @@ class EngineCore:
         refused, self._refused = self._refused, []
         return refused
 
+    def _check_lora(self, lora: LoraRef | None) -> None:
+        """ValueError for an adapter this engine cannot run (LoRA off, another model's)."""
+        if lora is None:
+            return
+        if self.runner.lora is None:
+            raise ValueError(f"adapter {lora.name!r} asked for, but LoRA is not enabled")
+        self.runner.lora.check(lora)
+
     def _attach_handle(self, request: Request, handle: KVHandle) -> None:
         if self.connector is None:
             raise ValueError("a KV handle was given but this engine has no KV store")
@@ -240,7 +254,7 @@ class EngineCore:
         request.kv_transfer = handle
 
     def _make_request(
-        self, request_id, prompt, params, seed, priority, arrival, outputs
+        self, request_id, prompt, params, seed, priority, arrival, outputs, lora
     ) -> Request:
         extra_eos = self.eos_token_ids[1:]
         if extra_eos and not params.ignore_eos:
@@ -259,6 +273,7 @@ class EngineCore:
             arrival_time=arrival,
             max_tokens=max_tokens,
             output_token_ids=outputs,
+            lora=lora,
         )
 
     def _validate(self, request_id, prompt, params: SamplingParams, outputs: list[int]) -> None:

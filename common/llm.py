@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from common.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, TopLogprobs
 from common.config import EngineConfig
 from common.engine import EngineCore
+from common.lora.adapter import LoraRef, read_adapter
 from common.output_processor import CompletionOutput, RequestOutput, TextStream
 from common.parallel_sampling import split_samples
 from common.request import RequestStatus
@@ -72,16 +73,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoraRef | Sequence[LoraRef | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order.
+        ``lora_request``: the adapter of every prompt, or one per prompt (``LLM.lora``)."""
         engine = self.engine  # RuntimeError once closed
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         states: list[_RequestState] = []
         samples: dict[str, tuple[_RequestState, int]] = {}  # engine request id → sample
         try:
-            for prompt, p in zip(prompts, params):
-                states.append(self._add(prompt, p, samples))
+            for prompt, p, lora in zip(prompts, params, loras):
+                states.append(self._add(prompt, p, samples, lora))
         except Exception:  # all or nothing (the engine runs only this call's requests)
             engine.abort(engine.request_ids())
             raise
@@ -93,6 +97,7 @@ class LLM:
         prompt: PromptType,
         params: SamplingParams,
         samples: dict[str, tuple[_RequestState, int]],
+        lora: LoraRef | None = None,
     ) -> _RequestState:
         """Queue the prompt's samples (one engine request each), recording them in ``samples``."""
         if isinstance(prompt, str):
@@ -102,7 +107,7 @@ class LLM:
         request_id = str(next(self._ids))
         split = split_samples(request_id, params, self.config.scheduler.max_n)
         for sample in split:  # the engine validates the prompt before anything decodes it
-            self.engine.add_request(sample.request_id, token_ids, sample.params)
+            self.engine.add_request(sample.request_id, token_ids, sample.params, lora=lora)
         state = _RequestState(request_id, text, token_ids, params, self.tokenizer)
         samples.update((sample.request_id, (state, sample.index)) for sample in split)
         return state
@@ -128,11 +133,18 @@ class LLM:
                 self._raise_refused()
                 self._raise_failed()
 
+    def lora(self, name: str, path: str) -> LoraRef:
+        """An adapter to pass as ``lora_request``: a PEFT LoRA directory, checked."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("LoRA is not enabled: LLM(..., enable_lora=True)")
+        return read_adapter(name, path, self.config.lora.max_lora_rank)[0]
+
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoraRef | None = None,
     ) -> list[BeamSearchOutput]:
         """Each prompt's ``beam_width`` best hypotheses, best first: HF's ``generate(num_beams=
         beam_width, do_sample=False, length_penalty=…, num_return_sequences=beam_width)``.
@@ -144,7 +156,8 @@ class LLM:
         rounds = max((s.max_tokens for s in searches), default=0)
         with tqdm(total=rounds, desc="beam search", disable=not use_tqdm) as bar:
             while live := [s for s in searches if not s.done]:
-                tops = self._score_beams([(b, s.num_logprobs) for s in live for b in s.beams()])
+                beams = [(b, s.num_logprobs) for s in live for b in s.beams()]
+                tops = self._score_beams(beams, lora_request)
                 for search in live:
                     n = len(search.running)
                     search.advance(tops[:n])
@@ -163,7 +176,9 @@ class LLM:
         max_tokens = min(params.max_tokens, room)
         return BeamSearch(token_ids, params, self.engine.eos_token_ids, max_tokens)
 
-    def _score_beams(self, beams: list[tuple[list[int], int]]) -> list[TopLogprobs]:
+    def _score_beams(
+        self, beams: list[tuple[list[int], int]], lora: LoraRef | None = None
+    ) -> list[TopLogprobs]:
         """The top-k next tokens of each (token ids, k): one engine request each, run
         together to completion."""
         engine = self.engine
@@ -172,7 +187,7 @@ class LLM:
         try:
             for request_id, (token_ids, k) in zip(request_ids, beams):
                 params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k, ignore_eos=True)
-                engine.add_request(request_id, token_ids, params)
+                engine.add_request(request_id, token_ids, params, lora=lora)
             while len(tops) < len(beams):
                 for out in engine.step():
                     if out.new_logprobs:  # its one token: the request has ended
@@ -286,6 +301,15 @@ def _as_params_list(
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling params for {n} prompts")
     return params
+
+
+def _as_lora_list(lora: LoraRef | Sequence[LoraRef | None] | None, n: int) -> list[LoraRef | None]:
+    if lora is None or isinstance(lora, LoraRef):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"{len(loras)} LoRA requests for {n} prompts")
+    return loras
 
 
 __all__ = ["LLM", "BeamSearchParams", "RequestOutput", "RequestStatus"]

@@ -27,6 +27,7 @@ from common.host_kv_tier import HostCopies, HostKVTier
 from common.host_memory import keep_freed_host_memory, zeros_on_huge_pages
 from common.kv_connector import ConnectorHooks, KVConnectorWorker
 from common.kv_interface import ConnectorMetadata, KVCacheSpec
+from common.lora.manager import LoraManager
 from common.memory_profile import KVReserve, StepLimits, cuda_kv_budget
 from common.models.llama import LlamaForCausalLM
 from common.models.loader import build_model, kv_cache_torch_dtype, resolve_dtype
@@ -173,6 +174,12 @@ class ModelRunner:
             config.enable_expert_parallel,
             config.quantization,
         )
+        self.lora: LoraManager | None = None
+        if config.lora.enable_lora:  # before the cache is sized: the budget sees the slots
+            self.lora = LoraManager(
+                self.model, config.lora.max_loras, config.lora.max_lora_rank, self.dtype,
+                self.device,
+            )  # fmt: skip
         a = self.model.args
         kv_heads = self.model.num_local_kv_heads
         self.vocab_size = a.vocab_size
@@ -334,8 +341,11 @@ class ModelRunner:
         return StepResult(sampled, rows, owners, counts, prompt)
 
     def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
-        """``hooked``: the connector has per-layer work (no graph replay then)."""
-        size = None if hooked or self.graphs is None else self.graphs.size_for(out.scheduled)
+        """``hooked``: the connector has per-layer work (no graph replay then, nor for a step
+        with adapters: the graphs are captured for the base model's rows)."""
+        lora = self.lora.activate(out.scheduled) if self.lora is not None else None
+        eager = hooked or lora is not None or self.graphs is None
+        size = None if eager else self.graphs.size_for(out.scheduled)  # type: ignore[union-attr]
         stride = self.graphs.row_stride if size is not None else None  # type: ignore[union-attr]
         inputs = self.inputs.prepare(
             out.scheduled, self._prev_rows, padded_seqs=size, row_stride=stride
@@ -347,6 +357,7 @@ class ModelRunner:
         if size is not None:
             return self.graphs.replay(size, inputs), inputs  # type: ignore[union-attr]
         inputs.meta.hooks = self.hooks if hooked else None
+        inputs.meta.lora = lora
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         return hidden, inputs
 

@@ -19,6 +19,7 @@ import msgspec
 from common.block_hash import BlockHash, hash_blocks, root_hash
 from common.host_kv_tier import SwappedKV
 from common.kv_interface import KVHandle
+from common.lora.adapter import LoraRef
 from common.sampling_params import SamplingParams
 
 
@@ -77,6 +78,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora: LoraRef | None = None,
         max_tokens: int,
         output_token_ids: list[int] | None = None,
     ) -> None:
@@ -88,6 +90,7 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        self.lora = lora  # the LoRA adapter it runs under (None: the base model)
         self.max_tokens = max_tokens  # resolved: never None here
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = list(output_token_ids or [])
@@ -139,6 +142,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def hash_salt(self) -> str | None:
+        """What its block hashes are chained from besides the tokens: the cache salt and the
+        adapter's identity (name and content), so KV never crosses adapters — not in the
+        prefix cache, not in the store, not through a handle."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora.identity}"
+
     def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
@@ -156,7 +168,7 @@ class Request:
         done = len(self.block_hashes) * self.block_size
         if self.num_tokens - done < self.block_size:
             return
-        parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.cache_salt)
+        parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.hash_salt)
         self.block_hashes += hash_blocks(
             self.all_token_ids, self.block_size, parent=parent, start=done
         )

@@ -117,8 +117,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """``max_loras``: distinct LoRA adapters the running batch may hold (the device's
+        adapter slots); None: LoRA is off."""
         self.config = config
+        self.max_loras = max_loras
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.connector = connector
@@ -273,14 +277,15 @@ class Scheduler:
                 self.waiting.push(request)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, asking: list[Request]) -> None:
+        adapters = {r.lora.identity for r in self.running if r.lora is not None}
         while budget > 0:
             request = self.waiting.peek()
             if request is None or request.num_output_placeholders:
                 return  # (a request preempted with a token in flight waits for it)
             if len(self.running) >= self.config.max_num_seqs:
                 return
-            if request.waiting_for_grammar:  # compiling off the loop: the next one goes
-                asking.append(self.waiting.pop())
+            if request.waiting_for_grammar or self._no_slot_for(request, adapters):
+                asking.append(self.waiting.pop())  # compiling, or no adapter slot: next one
                 continue
             # A request back from a remote load already holds blocks and computed tokens.
             resumed = request.request_id in self.kv.req_to_blocks
@@ -307,8 +312,20 @@ class Scheduler:
                 request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora is not None:
+                adapters.add(request.lora.identity)
             self._add_scheduled(out, request, num_new)
             budget -= num_new
+
+    def _no_slot_for(self, request: Request, adapters: set[str]) -> bool:
+        """Its adapter would be one more than the device's slots hold in one step."""
+        lora = request.lora
+        return (
+            lora is not None
+            and self.max_loras is not None
+            and lora.identity not in adapters
+            and len(adapters) >= self.max_loras
+        )
 
     def _start_remote_load(self, request: Request, hit: ComputedBlocks) -> _Remote:
         """Ask the connector for more of the prompt; park the request while it loads."""

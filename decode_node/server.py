@@ -39,7 +39,8 @@ from node_frontend.stats import TokenTimer
 def check_kv_handle(handle: KVHandle, prompt: list[int], info: Ready) -> None:
     """Raise ValueError unless ``handle`` is in this node's layout and of this prompt's length
     (cheap checks at the door; the engine compares the block hashes, which it computes anyway)."""
-    if handle.fingerprint != info.kv_fingerprint or handle.block_size != info.block_size:
+    layout = handle.fingerprint.partition("+lora:")[0]  # the adapter: the engine's check
+    if layout != info.kv_fingerprint or handle.block_size != info.block_size:
         raise ValueError(
             f"KV handle is for another model or layout ({handle.fingerprint}, block size"
             f" {handle.block_size}); this node serves {info.kv_fingerprint}, {info.block_size}"

@@ -27,6 +27,7 @@ from common.kv_interface import (
     MatchedTokens,
     SaveSpec,
 )
+from common.lora.adapter import handle_fingerprint
 from common.request import Request
 from common.step_outputs import SchedulerOutput
 from kv_store.base import KVStore
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 def prompt_hashes(request: Request) -> list[bytes]:
     """Hashes of the request's prompt blocks (reusing the hashes it already carries)."""
     return prompt_block_hashes(
-        request.prompt_token_ids, request.block_size, request.cache_salt, request.block_hashes
+        request.prompt_token_ids, request.block_size, request.hash_salt, request.block_hashes
     )
 
 
@@ -98,10 +99,11 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         return self.role in ("producer", "both")
 
     def check_handle(self, request: Request, handle: KVHandle) -> None:
-        if handle.fingerprint != self.fingerprint or handle.block_size != self.block_size:
+        own = handle_fingerprint(self.fingerprint, request.lora)
+        if handle.fingerprint != own or handle.block_size != self.block_size:
             raise ValueError(
-                f"KV handle is for another layout ({handle.fingerprint}, block size"
-                f" {handle.block_size}); this node is {self.fingerprint}, {self.block_size}"
+                f"KV handle is for another layout or adapter ({handle.fingerprint}, block size"
+                f" {handle.block_size}); this request is {own}, {self.block_size}"
             )
         if handle.num_tokens != request.num_prompt_tokens or list(handle.block_hashes) != (
             self._prompt(request).hashes
@@ -209,9 +211,8 @@ class StoreConnectorScheduler(KVConnectorScheduler):
         if not self.saves:
             return False, None
         hashes = prompt_hashes(request) if prompt is None else prompt.hashes
-        handle = KVHandle(
-            self.fingerprint, self.block_size, request.num_prompt_tokens, hashes, self.url
-        )
+        fingerprint = handle_fingerprint(self.fingerprint, request.lora)
+        handle = KVHandle(fingerprint, self.block_size, request.num_prompt_tokens, hashes, self.url)
         return False, handle  # blocks are copied out during the step: nothing to hold
 
     def close(self) -> None:

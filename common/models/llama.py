@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from common.attention import AttentionBackend, AttentionMetadata
+from common.lora.batch import LoraBatch
 from common.models.fp8 import FP8, checkpoint_quantization, projection
 from common.models.moe import MoeArgs, SparseMoe
 from common.models.preflight import architecture
@@ -196,6 +197,9 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, rotary, kv_layer, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
+        lora = meta.lora
+        if lora is not None:  # the step's adapters' deltas, in place (common/lora/batch.py)
+            lora.apply(self.layer, "qkv", x, qkv)
         if self.qk_norm:
             qkv = self._norm_heads(qkv)
         scale, fp8_scaled = self.scale, False
@@ -223,7 +227,11 @@ class Attention(nn.Module):
         o = self.backend.attend(q, kv_layer, meta, scale)  # (T, H, D)
         if fp8_scaled and self.v_scale != 1.0:
             o = o * self.v_scale
-        return self.o_proj(o.view(-1, self.q_size))
+        o = o.view(-1, self.q_size)
+        out = self.o_proj(o)
+        if lora is not None:
+            lora.apply(self.layer, "o", o, out)
+        return out
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3: each q and k head RMS-normalised over ``head_dim`` (heads as the norm's rows),
@@ -235,14 +243,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs, tp: TensorParallel | None) -> None:
+    def __init__(self, args: LlamaArgs, layer: int, tp: TensorParallel | None) -> None:
         super().__init__()
+        self.layer = layer
         inter = args.intermediate_size // (tp.size if tp is not None else 1)
         self.gate_up_proj = projection(args.hidden_size, 2 * inter, False, args.fp8)
         self.down_proj = projection(inter, args.hidden_size, False, args.fp8, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(_ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(_ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        lora.apply(self.layer, "gate_up", x, gate_up)
+        h = _ops.silu_and_mul(gate_up)
+        out = self.down_proj(h)
+        lora.apply(self.layer, "down", h, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -259,7 +275,7 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             SparseMoe(args.moe, args.hidden_size, tp if expert_parallel else None)
             if args.moe is not None and layer in args.moe.sparse_layers
-            else MLP(args, tp)
+            else MLP(args, layer, tp)
         )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -272,6 +288,8 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, rotary, kv_layer, meta)
         h, residual = self.post_attention_layernorm(h, residual)
+        if meta.lora is not None and isinstance(self.mlp, MLP):
+            return self.mlp(h, meta.lora), residual
         return self.mlp(h), residual
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from common.config import EngineConfig, ModelConfig
+from common.config import EngineConfig, LoraConfig, ModelConfig
 from common.memory_profile import KVReserve
 from common.models.llama import LlamaArgs
 from common.models.loader import build_on_meta, kv_cache_torch_dtype, read_hf_config, resolve_dtype
@@ -64,6 +64,7 @@ class DraftModelProposer:
             async_scheduling=False,
             speculative_config=None,
             tensor_parallel_size=1,  # a small draft runs whole beside the target's rank 0
+            lora=LoraConfig(),  # drafts come from the base draft; the target verifies with it
         )
         self.engine = EngineCore(draft_config)
         self._ids = itertools.count()

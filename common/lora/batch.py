@@ -1,0 +1,67 @@
+"""One step's LoRA rows and the deltas added to each projection's output.
+
+Built once per step from each row's adapter slot (-1: the base model) and shared by every
+layer, as the attention metadata is. ``apply(layer, proj, x, y)`` adds every row's adapter
+delta to the projection's output ``y`` in place: ``y[t] += (x[t] A[slot]ᵀ) B[slot]ᵀ``.
+
+- CUDA: two Triton launches per projection (``kernels/lora.py``: shrink, expand) over tiles of
+  rows grouped by adapter, so each tile reads its adapter's weights once; nothing is read on the
+  host during the forward.
+- CPU: per adapter present in the step (≤ ``max_loras``, never per request), two GEMMs over its
+  rows: gathered when the step mixes adapters, the whole batch when one adapter has every row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LoraBatch:
+    """The step's rows per adapter slot. ``a``/``b``: the manager's slot tensors."""
+
+    def __init__(
+        self,
+        token_slots: list[int],
+        a: dict[tuple[int, str], torch.Tensor],
+        b: dict[tuple[int, str], torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.a, self.b = a, b
+        self.num_tokens = len(token_slots)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            from kernels.lora import lora_tiles
+
+            sorted_tokens, tiles = lora_tiles(token_slots)
+            self.sorted_tokens = sorted_tokens.to(device, non_blocking=True)
+            self.tiles = tiles.to(device, non_blocking=True)
+            return
+        # CPU: (slot, rows) per adapter present; rows None when it has every row of the step
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(row)
+        self.groups = [
+            (slot, None if len(rows) == self.num_tokens else torch.tensor(rows))
+            for slot, rows in by_slot.items()
+        ]
+
+    def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``y (T, N) += delta(x (T, K))`` for the rows with an adapter; other rows untouched.
+        A projection no adapter may target (a MoE layer's MLP) is left alone."""
+        a = self.a.get((layer, proj))
+        if a is None:
+            return
+        b = self.b[layer, proj]
+        if self.cuda:
+            from kernels.lora import lora_expand, lora_shrink
+
+            s = x.new_empty(x.shape[0], a.shape[1])
+            lora_shrink(x, a, self.sorted_tokens, self.tiles, s)
+            lora_expand(s, b, self.sorted_tokens, self.tiles, y)
+            return
+        for slot, rows in self.groups:
+            if rows is None:
+                y += (x @ a[slot].T) @ b[slot].T
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
