@@ -51,6 +51,7 @@ from common.core_messages import (
     engine_config_to_dict,
 )
 from common.kv_interface import KVHandle
+from common.lora.adapter import LoraRef
 from common.parallel_sampling import Sample, split_samples
 from common.sampling_params import SamplingParams
 from common.step_outputs import EngineCoreOutput
@@ -321,6 +322,7 @@ class CoreClient:
         priority: int = 0,
         output_token_ids: list[int] | None = None,
         kv_handle: KVHandle | None = None,
+        lora: LoraRef | None = None,
     ) -> OutputStream:
         """Send the request now — ``params.n`` engine requests, one per sample — and return the
         stream of their outputs. A refusal (bad input, queue full, id in use, a handle that is
@@ -339,8 +341,9 @@ class CoreClient:
             request.samples[sample.request_id] = sample.index
             self._request_of[sample.request_id] = request_id
             message = AddRequest(
-                sample.request_id, prompt_token_ids, sample.params, priority, outputs, kv_handle
-            )
+                sample.request_id, prompt_token_ids, sample.params, priority, outputs, kv_handle,
+                lora,
+            )  # fmt: skip
             if not self._send(message):
                 self._cancel(request_id, queue)
                 queue.put_nowait(CoreRequestError("unavailable", "engine core is not connected"))

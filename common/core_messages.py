@@ -22,6 +22,7 @@ import msgspec
 
 from common.config import EngineConfig
 from common.kv_interface import KVHandle
+from common.lora.adapter import LoraRef
 from common.sampling_params import SamplingParams
 from common.step_outputs import EngineCoreOutput, EngineStats
 
@@ -42,6 +43,7 @@ class AddRequest(Message, tag="add"):
     priority: int = 0
     output_token_ids: list[int] = []
     kv_handle: KVHandle | None = None  # where the prompt's KV is (a decode node's request)
+    lora: LoraRef | None = None  # the LoRA adapter it runs under (resolved by the frontend)
 
 
 class AbortRequests(Message, tag="abort"):

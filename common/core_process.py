@@ -188,6 +188,7 @@ class EngineCoreProc:
                 priority=message.priority,
                 output_token_ids=message.output_token_ids or None,
                 kv_handle=message.kv_handle,
+                lora=message.lora,
             )
         except QueueFullError as e:
             self._send(RequestError(message.request_id, "resource_exhausted", str(e)))

@@ -25,6 +25,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 
 from common.config import EngineConfig
 from common.host_kv_tier import HostTierIndex
@@ -245,7 +246,10 @@ class EngineCore:
             return
         if self.runner.lora is None:
             raise ValueError(f"adapter {lora.name!r} asked for, but LoRA is not enabled")
-        self.runner.lora.check(lora)
+        try:
+            self.runner.lora.check(lora)
+        except (OSError, RuntimeError, SafetensorError) as e:  # files gone, or not safetensors
+            raise ValueError(f"adapter {lora.name!r} cannot be read: {e}") from None
 
     def _attach_handle(self, request: Request, handle: KVHandle) -> None:
         if self.connector is None:

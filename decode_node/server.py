@@ -29,6 +29,7 @@ from pdserve_proto.convert import (
 from common.core_client import CoreOutput, CoreRequestError
 from common.core_messages import Ready
 from common.kv_interface import KVHandle
+from common.lora.adapter import LoraRef
 from common.sampling_params import SamplingParams
 from node_frontend.options import DECODE_PORT
 from node_frontend.runtime import NodeRpcs, NodeRuntime, abort_with, invalid_argument
@@ -131,13 +132,18 @@ class DecodeServicer(NodeRpcs, pb_grpc.DecodeServiceServicer):
             try:
                 params = sampling_params_from_proto(request.sampling_params)
                 check_decode_request(request, params, self.runtime.info)
+                lora = self.runtime.adapter(request.lora_name)
             except ValueError as e:
                 await invalid_argument(context, str(e))
-            async for msg in self._stream(request, params, context):
+            async for msg in self._stream(request, params, lora, context):
                 yield msg
 
     async def _stream(
-        self, request: pb.DecodeRequest, params: SamplingParams, context: grpc.aio.ServicerContext
+        self,
+        request: pb.DecodeRequest,
+        params: SamplingParams,
+        lora: LoraRef | None,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.DecodeResponse]:
         handle = kv_handle_from_proto(request.kv_handle) if request.HasField("kv_handle") else None
         stream = self.runtime.core.add_request(
@@ -147,6 +153,7 @@ class DecodeServicer(NodeRpcs, pb_grpc.DecodeServiceServicer):
             priority=request.priority,
             output_token_ids=list(request.output_token_ids),
             kv_handle=handle,
+            lora=lora,
         )
         responses = _DecodeStream(request, params, self.runtime)
         async with stream:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from bench.slo import parse_slo
 from common.config import check_bind_host
+from common.lora.adapter import parse_lora_modules
 from launcher.gpus import check_tp_fits
 from router.autoscale.policy import PoolLimits
 
@@ -87,8 +88,14 @@ class EngineFlags:
     seed: int | None = None
     enable_prefix_caching: bool | None = None  # --[no-]enable-prefix-caching
     async_scheduling: bool | None = None  # --[no-]async-scheduling
+    enable_lora: bool = False
+    lora_modules: str | None = None  # "name=path name=path" (the nodes read the directories)
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -105,7 +112,11 @@ class EngineFlags:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineFlags:
         names = [f.name for f in fields(cls)]
-        return cls(**{name: getattr(args, name) for name in names})
+        values = {name: getattr(args, name) for name in names}
+        if values["lora_modules"]:  # vLLM's `--lora-modules a=/p b=/q`, paths made absolute
+            specs = parse_lora_modules(values["lora_modules"])
+            values["lora_modules"] = " ".join(f"{n}={Path(p).resolve()}" for n, p in specs.items())
+        return cls(**values)
 
     def node_argv(self) -> list[str]:
         """The node flags of the values given (the nodes take vLLM's names too)."""
@@ -490,6 +501,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g("--kv-cache-dtype", default=None, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
       help="KV cache dtype: auto (the model's) or fp8 (e4m3, half the bytes of bf16 in the"
            " cache and in every transfer; e5m2 is refused)")  # fmt: skip
+    g("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    g("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+      help="PEFT LoRA adapters every node serves, chosen by a request's model")  # fmt: skip
+    g("--max-loras", type=int, default=None,
+      help="adapters resident on a node's device, and per step (default 4)")  # fmt: skip
+    g("--max-lora-rank", type=int, default=None, help="largest LoRA rank (default 16)")
     g("--trust-remote-code", action="store_true",
       help="accepted for vLLM's command lines: pdserve runs only its own code for the"
            " architectures it supports, never a checkpoint's")  # fmt: skip

@@ -15,7 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import EngineConfig, check_bind_host, env_overrides
+from common.config import EngineConfig, LoraConfig, check_bind_host, env_overrides
+from common.lora.adapter import LoraRef, parse_lora_modules, read_adapter
 from common.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ ENGINE_OPTIONS = (
     "tensor_parallel_size",
     "seed",
     "enable_prefix_caching",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
 )
 
 
@@ -90,11 +94,18 @@ class NodeOptions:
     seed: int | None = None
     enable_prefix_caching: bool | None = None
     speculative_config: str | None = None  # vLLM's JSON (decode nodes; a prefill makes 1 token)
+    enable_lora: bool | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_modules: str | None = None  # "name=path name=path …" (or comma-separated)
 
     def __post_init__(self) -> None:
         check_bind_host(self.host)
         if self.speculative_config:
             self.speculative()  # a bad JSON or config fails at start-up, with its reason
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        self.lora_adapters()  # an adapter that cannot be served fails start-up, saying why
         if not self.kv_store:
             raise ValueError("--kv-store is required (redis://… or file:///…)")
         if not 0 <= self.port < 65536:
@@ -137,6 +148,15 @@ class NodeOptions:
             max_waiting=max(1, max_waiting),
             **kwargs,
         )
+
+    def lora_adapters(self) -> dict[str, LoraRef]:
+        """``--lora-modules`` read and checked: name → adapter (reads and hashes the files)."""
+        specs = (self.lora_modules or "").replace(",", " ").split()
+        rank = self.max_lora_rank or LoraConfig.max_lora_rank
+        return {
+            name: read_adapter(name, path, rank)[0]
+            for name, path in parse_lora_modules(specs).items()
+        }
 
     def speculative(self) -> SpeculativeConfig:
         """``--speculative-config`` parsed. Raises ValueError on bad JSON or a bad config."""
@@ -228,6 +248,14 @@ _FLAGS: list[tuple[str, Callable[[str], Any] | str, str]] = [
     ("--tensor-parallel-size", int, "engine: ranks the model is split over (default 1)"),
     ("--seed", int, "engine: seed of its per-request seeds and dummy weights (default 0)"),
     ("--enable-prefix-caching", "flag", "engine: reuse cached prompt blocks (default true)"),
+    ("--enable-lora", "flag", "engine: serve LoRA adapters (PEFT) beside the base model"),
+    (
+        "--lora-modules",
+        str,
+        "LoRA adapters to serve: 'name=path name=path …' (needs --enable-lora)",
+    ),
+    ("--max-loras", int, "engine: LoRA adapters resident on the device, and per step (default 4)"),
+    ("--max-lora-rank", int, "engine: largest LoRA rank served (default 16)"),
     (
         "--speculative-config",
         str,

@@ -9,6 +9,7 @@ draining waits for.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,8 +26,10 @@ from pdserve_proto.convert import (
 )
 from pdserve_proto.nodes import NodeInfo, NodeLoad
 
+from common.config import LoraConfig
 from common.core_client import CoreClient, CoreRequestError
 from common.core_messages import Ready
+from common.lora.adapter import LoraRef, read_adapter
 from node_frontend.options import NodeOptions
 from node_frontend.stats import NodeStats
 
@@ -74,6 +77,8 @@ class NodeRuntime:
         self._idle = asyncio.Event()
         self._idle.set()
         self._core_silent = False  # the last load query went unanswered (logged once)
+        # LoRA adapters served, by name (--lora-modules, then LoadLoraAdapter/Unload…)
+        self.adapters: dict[str, LoraRef] = options.lora_adapters()
 
     @property
     def info(self) -> Ready:
@@ -158,7 +163,32 @@ class NodeRuntime:
         stats = self.core.last_load if self.core.alive else None
         max_num_seqs = self.core.info.max_num_seqs if self.core.info is not None else 0
         load = node_load_from_engine(stats, max_num_seqs, self.draining, self._in_flight)
+        load = dataclasses.replace(load, lora_adapters=tuple(sorted(self.adapters)))
         return self.stats.with_latencies(load)
+
+    def adapter(self, name: str) -> LoraRef | None:
+        """The adapter a request names (empty: the base model); ValueError if not served."""
+        if not name:
+            return None
+        lora = self.adapters.get(name)
+        if lora is None:
+            served = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"LoRA adapter {name!r} is not served here (served: {served})")
+        return lora
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serve ``path`` as ``name`` (checked: readable, rank, LoRA on). Loading the same files
+        under the same name again is a no-op; other files under a name in use are refused
+        (unload it first: requests running under the old weights keep their KV apart)."""
+        if not self.options.enable_lora:
+            raise ValueError("LoRA is not enabled on this node (--enable-lora)")
+        rank = self.options.max_lora_rank or LoraConfig.max_lora_rank
+        lora, _ = read_adapter(name, path, rank)
+        known = self.adapters.get(name)
+        if known is not None and known.content_hash != lora.content_hash:
+            raise ValueError(f"LoRA adapter {name!r} is already served with other weights")
+        self.adapters[name] = lora
+        logger.info("serving LoRA adapter %s from %s", lora.identity, lora.path)
 
     async def load_report(self) -> pb.LoadReport:
         return load_to_proto(self.role, await self.load())
@@ -188,3 +218,19 @@ class NodeRpcs:
         if self.runtime.core.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "node is not ready")
         return node_info_to_proto(self.runtime.node_info)
+
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        try:
+            self.runtime.load_adapter(request.name, request.path)
+        except ValueError as e:
+            await invalid_argument(context, str(e))
+        return pb.LoraAdapterResponse(lora_adapters=sorted(self.runtime.adapters))
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        if self.runtime.adapters.pop(request.name, None) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {request.name!r}")
+        return pb.LoraAdapterResponse(lora_adapters=sorted(self.runtime.adapters))

@@ -59,6 +59,10 @@ class PrefillServicer(NodeRpcs, pb_grpc.PrefillServiceServicer):
         async with self.runtime.admit(context):
             arrival = time.monotonic()
             params = await self._params(request, context)
+            try:
+                lora = self.runtime.adapter(request.lora_name)
+            except ValueError as e:
+                await invalid_argument(context, str(e))
             prompt = list(request.prompt_token_ids)
             handing_off = hands_off(params, len(prompt), self.runtime.info.max_model_len)
             stream = self.runtime.core.add_request(
@@ -66,6 +70,7 @@ class PrefillServicer(NodeRpcs, pb_grpc.PrefillServiceServicer):
                 prompt,
                 first_token_params(params) if handing_off else params,
                 priority=request.priority,
+                lora=lora,
             )
             async with stream:
                 try:

@@ -120,6 +120,7 @@ class _DecodeRounds:
             kv_handle=handle,
             sampling_params=_round_sampling(len(output) + 1, self.k),
             priority=self.spec.priority,
+            lora_name=self.spec.lora_name,
         )
         call = flow.clients.decode(instance.address).Decode(request)
 

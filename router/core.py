@@ -100,15 +100,22 @@ class RouterCore:
                 code="context_length_exceeded",
             )
 
-    def check_model(self, requested: str | None) -> None:
-        """404 unless ``requested`` names the served model (empty means the served one)."""
-        if not self.served.matches(requested):
-            raise RouterError(
-                f"the model {requested!r} does not exist; this router serves {self.served.name!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, requested: str | None) -> str:
+        """The LoRA adapter ``requested`` names ("": the served model, also for an empty name);
+        404 unless it names the served model or an adapter some node serves."""
+        if self.served.matches(requested):
+            return ""
+        adapters = self.flow.registry.lora_adapters()
+        if requested and requested in adapters:
+            return requested
+        also = f" and the LoRA adapters {sorted(adapters)}" if adapters else ""
+        raise RouterError(
+            f"the model {requested!r} does not exist; this router serves"
+            f" {self.served.name!r}{also}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
 
     def max_model_len(self) -> int:
         """The context requests must fit: the nodes' (``Registry.max_model_len``). 503 while
@@ -126,6 +133,7 @@ class RouterCore:
         priority: int = 0,
         request_id: str | None = None,
         beam: tuple[int, float] | None = None,
+        lora_name: str = "",
     ) -> GenerateSpec:
         """A runnable spec; raises RouterError (400) when the prompt cannot be served, 503
         while no node has registered.
@@ -160,6 +168,7 @@ class RouterCore:
             params=replace(params, max_tokens=max_tokens, seed=seed),
             priority=priority,
             beam=search,
+            lora_name=lora_name,
         )
 
     async def run(

@@ -123,6 +123,7 @@ class GenerateSpec:
     priority: int = 0
     prefill_only: bool = False  # max_tokens=0: the prompt's logprobs, no output token
     beam: BeamSearchParams | None = None  # a beam search (router/beams.py): params.n returned
+    lora_name: str = ""  # the LoRA adapter it runs under (the request's ``model``); "": base
     nonce: str = field(default_factory=lambda: secrets.token_hex(4))
 
     def upstream_id(self, index: int, step: str) -> str:
@@ -184,7 +185,9 @@ class DecodeAttempts:
             return None
         if pinned is not None:
             return pinned
-        candidates = self.flow.registry.candidates(Role.DECODE, frozenset(self.tried))
+        candidates = self.flow.registry.candidates(
+            Role.DECODE, frozenset(self.tried), self.spec.lora_name
+        )
         if not candidates:
             return None
         prompt = PromptInfo(len(self.spec.prompt_token_ids), (), 0)  # decode has no affinity
@@ -333,7 +336,7 @@ class RequestFlow:
             # prompt logprobs come from a prefill node only
             scoring = spec.prefill_only or spec.params.prompt_logprobs is not None
             fallback = self.config.prefill_fallback and not scoring
-            if not fallback or not self.registry.candidates(Role.DECODE):
+            if not fallback or not self.registry.candidates(Role.DECODE, lora=spec.lora_name):
                 raise exc.error from None
             logger.info("%s sample %d: %s; a decode node prefills", spec.request_id, index, exc)
             self.on_fallback(exc.reason)
@@ -353,7 +356,7 @@ class RequestFlow:
         tried: set[str] = set()
         last_fault: _Fault | None = None
         for attempt in range(self.config.max_retries + 1):
-            candidates = self.registry.candidates(Role.PREFILL, frozenset(tried))
+            candidates = self.registry.candidates(Role.PREFILL, frozenset(tried), spec.lora_name)
             if not candidates:
                 break
             instance = self.prefill_policy.choose(candidates, prompt)
@@ -363,6 +366,7 @@ class RequestFlow:
                 prompt_token_ids=spec.prompt_token_ids,
                 sampling_params=sampling,
                 priority=spec.priority,
+                lora_name=spec.lora_name,
             )
             try:
                 response = await self._call_prefill(instance, request, prompt.num_tokens)
@@ -426,6 +430,7 @@ class RequestFlow:
                 kv_handle=kv_handle,
                 sampling_params=sampling,
                 priority=spec.priority,
+                lora_name=spec.lora_name,
             )
             try:
                 async with aclosing(self._stream_decode(instance, request, state)) as deltas:

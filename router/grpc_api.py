@@ -140,7 +140,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     async def _prepare(self, request: pb.GenerateRequest) -> tuple[GenerateSpec, str]:
         """The spec and the prompt's text; raises RouterError on bad input. Tokenizing runs
         off the event loop (``RouterCore.offload``)."""
-        self.core.check_model(request.model)
+        lora_name = self.core.check_model(request.model)
         prompts = self.core.prompts
         kind = request.WhichOneof("prompt")
         if kind == "text":
@@ -164,6 +164,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 params,
                 priority=request.priority if request.HasField("priority") else 0,
                 request_id=request.request_id if request.HasField("request_id") else None,
+                lora_name=lora_name,
             ),
             text,
         )

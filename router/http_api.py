@@ -38,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from router import lora_admin
 from router.core import RouterCore
 from router.errors import RouterError, error_body, invalid_request, too_large
 from router.flow import FlowConfig, GenerateSpec, Usage
@@ -54,7 +55,9 @@ from router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     parse_body,
     parse_model,
     requested_max_tokens,
@@ -100,23 +103,39 @@ def create_app(core: RouterCore, registry: Registry, guard: HttpGuard) -> FastAP
         body = await core.offload(parse_body, raw, ChatCompletionRequest, core.limits)
         return await _serve_chat(core, request, body)
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": core.served.name,
+    def model_card(lora_name: str = "") -> dict[str, Any]:
+        card = {
+            "id": lora_name or core.served.name,
             "object": "model",
             "created": core.served.created,
             "owned_by": "pdserve",
             "max_model_len": registry.max_model_len(),  # the nodes'; null before one registers
         }
+        if lora_name:  # vLLM's card of an adapter: its base model is the parent
+            card.update(root=lora_name, parent=core.served.name)
+        return card
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        adapters = sorted(registry.lora_adapters())
+        return {"object": "list", "data": [model_card(), *map(model_card, adapters)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        core.check_model(model_id or "\0")  # an empty id names no model here
-        return model_card()
+        return model_card(core.check_model(model_id or "\0"))  # an empty id names no model
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        body = parse_model(await read_body(request, guard), LoadLoraAdapterRequest)
+        await lora_admin.load_lora_adapter(core.flow.registry, core.flow.clients, body.lora_name,
+                                body.lora_path)  # fmt: skip
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        body = parse_model(await read_body(request, guard), UnloadLoraAdapterRequest)
+        await lora_admin.unload_lora_adapter(core.flow.registry, core.flow.clients, body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -228,7 +247,7 @@ def _check_json_type(content_type: str | None) -> None:
 async def _serve_completion(
     core: RouterCore, request: Request, body: CompletionRequest
 ) -> Response:
-    core.check_model(body.model)
+    lora_name = core.check_model(body.model)
     prompts = body.prompts()
     for text in prompts:  # tokenized off the loop below; refused here when it cannot fit
         if isinstance(text, str):
@@ -249,7 +268,7 @@ async def _serve_completion(
         ]
     formatter = CompletionFormatter(
         request_id,
-        core.served.name,
+        lora_name or core.served.name,
         _now(),
         core.prompts,
         logprobs=body.logprobs is not None,
@@ -263,7 +282,7 @@ async def _serve_completion(
 
 
 async def _serve_chat(core: RouterCore, request: Request, body: ChatCompletionRequest) -> Response:
-    core.check_model(body.model)
+    lora_name = core.check_model(body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     core.check_text("".join(m["content"] for m in messages))
     rendered = await core.offload(
@@ -278,7 +297,7 @@ async def _serve_chat(core: RouterCore, request: Request, body: ChatCompletionRe
     spec = _prepare(core, body, prompt_ids, request_id)
     formatter = ChatFormatter(
         request_id,
-        core.served.name,
+        lora_name or core.served.name,
         _now(),
         core.prompts,
         logprobs=body.logprobs,
@@ -305,8 +324,9 @@ def _prepare(
     if isinstance(body, CompletionRequest) and body.use_beam_search:
         beam = (body.beam_width, body.length_penalty)
     spec = core.prepare(
-        prompt_ids, params, priority=body.priority, request_id=request_id, beam=beam
-    )
+        prompt_ids, params, priority=body.priority, request_id=request_id, beam=beam,
+        lora_name=core.check_model(body.model),
+    )  # fmt: skip
     return dataclasses.replace(spec, prefill_only=prefill_only) if prefill_only else spec
 
 

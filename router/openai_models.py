@@ -375,6 +375,20 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's ``POST /v1/load_lora_adapter``: serve the PEFT directory ``lora_path`` (on the
+    nodes' file system) as model ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+
+
 RequestT = TypeVar("RequestT", bound=_SamplingRequest)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

@@ -343,12 +343,23 @@ class Registry:
         items = self._instances.values()
         return [i for i in items if role is None or i.role.serves(role)]
 
-    def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Instance]:
-        """Instances that can take a new ``role`` request now, minus ``exclude`` (ids)."""
+    def candidates(
+        self, role: Role, exclude: frozenset[str] = frozenset(), lora: str = ""
+    ) -> list[Instance]:
+        """Instances that can take a new ``role`` request now, minus ``exclude`` (ids); with
+        ``lora``, only those serving that adapter."""
         now = self._clock()
         return [
-            i for i in self.instances(role) if i.available(now) and i.instance_id not in exclude
+            i
+            for i in self.instances(role)
+            if i.available(now)
+            and i.instance_id not in exclude
+            and (not lora or lora in i.load.lora_adapters)
         ]
+
+    def lora_adapters(self) -> set[str]:
+        """The LoRA adapters some registered instance serves (by name)."""
+        return {name for i in self._instances.values() for name in i.load.lora_adapters}
 
     def uses_address(self, address: str) -> bool:
         return any(i.address == address for i in self._instances.values())

@@ -321,6 +321,7 @@ def load_from_proto(report: pb.LoadReport) -> NodeLoad:
     values = {f.name: getattr(report, f.name) for f in dataclasses.fields(NodeLoad)}
     usage = report.kv_usage
     values["kv_usage"] = min(max(usage, 0.0), 1.0) if math.isfinite(usage) else 0.0
+    values["lora_adapters"] = tuple(report.lora_adapters)
     return NodeLoad(**values)
 
 

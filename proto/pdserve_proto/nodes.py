@@ -62,3 +62,4 @@ class NodeLoad:
     # requests the node holds; a node holding requests whose steps stop moving is stuck
     engine_steps: int = 0
     num_requests: int = 0
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters it serves now, by name

@@ -55,6 +55,16 @@ class PrefillServiceStub:
                 request_serializer=pdserve__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.NodeInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillService/LoadLoraAdapter',
+                request_serializer=pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillService/UnloadLoraAdapter',
+                request_serializer=pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -85,6 +95,18 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +129,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=pdserve__pb2.GetInfoRequest.FromString,
                     response_serializer=pdserve__pb2.NodeInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +260,60 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/LoadLoraAdapter',
+            pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/UnloadLoraAdapter',
+            pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Loads a prompt's KV cache from the store (recomputing what is missing) and streams tokens.
@@ -258,6 +344,16 @@ class DecodeServiceStub:
                 '/pdserve.v1.DecodeService/GetInfo',
                 request_serializer=pdserve__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=pdserve__pb2.NodeInfo.FromString,
+                _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/LoadLoraAdapter',
+                request_serializer=pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/UnloadLoraAdapter',
+                request_serializer=pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve__pb2.LoraAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -290,6 +386,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -312,6 +420,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=pdserve__pb2.GetInfoRequest.FromString,
                     response_serializer=pdserve__pb2.NodeInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -423,6 +541,60 @@ class DecodeService:
             '/pdserve.v1.DecodeService/GetInfo',
             pdserve__pb2.GetInfoRequest.SerializeToString,
             pdserve__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/LoadLoraAdapter',
+            pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/UnloadLoraAdapter',
+            pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
