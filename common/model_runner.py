@@ -252,9 +252,11 @@ class ModelRunner:
         a, share = self.model.args, self.tp.size if self.tp is not None else 1
         heads, kv_heads = a.num_heads // share, self.model.num_local_kv_heads
         inter = a.intermediate_size // share
+        lora = self.config.lora
         shape = ModelShape(
-            heads, kv_heads, a.head_dim, a.hidden_size, inter, a.qk_norm, a.vocab_size
-        )
+            heads, kv_heads, a.head_dim, a.hidden_size, inter, a.qk_norm, a.vocab_size,
+            lora_rank=lora.max_lora_rank if lora.enable_lora else 0,
+        )  # fmt: skip
         warm_up(shape, self.inputs.limits, self.kv_cache)
 
     def set_connector(self, connector: KVConnectorWorker) -> None:

@@ -38,6 +38,7 @@ LAUNCHER_MODULES = (
     "kernels.activation",
     "kernels.block_copy",
     "kernels.fused_moe",
+    "kernels.lora",
     "kernels.paged_decode_attention",
     "kernels.paged_prefill_attention",
     "kernels.reshape_and_cache",
@@ -47,11 +48,11 @@ LAUNCHER_MODULES = (
 )
 
 # The model shapes CI compiles for: (q heads, kv heads, head_dim, hidden, intermediate, q/k norm,
-# vocabulary).
+# vocabulary, LoRA adapters of rank 16).
 REFERENCE_SHAPES = {
-    "Llama-3.2-1B": ModelShape(32, 8, 64, 2048, 8192, vocab_size=128256),
-    "Llama-3-8B": ModelShape(32, 8, 128, 4096, 14336, vocab_size=128256),
-    "Qwen3-8B": ModelShape(32, 8, 128, 4096, 12288, qk_norm=True, vocab_size=151936),
+    "Llama-3.2-1B": ModelShape(32, 8, 64, 2048, 8192, vocab_size=128256, lora_rank=16),
+    "Llama-3-8B": ModelShape(32, 8, 128, 4096, 14336, vocab_size=128256, lora_rank=16),
+    "Qwen3-8B": ModelShape(32, 8, 128, 4096, 12288, qk_norm=True, vocab_size=151936, lora_rank=16),
 }
 
 

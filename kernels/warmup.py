@@ -27,9 +27,11 @@ paged_decode_attention          BLOCK_N 16, 64
 paged_decode_reduce             BLOCK_N 16, 64
 gather_blocks, scatter_blocks   1 each (the KV connector's save and load)
 sample_tiles, sample_pick       1 each (the sampler, per vocabulary: ModelShape.vocab_size)
+lora (shrink, expand)           1 each (EXPAND False, True; per padded rank: ModelShape.lora_rank)
 ```
 
-Llama-3-8B: 16 variants (2 of them the sampler's), about 1 s each to compile cold on one core;
+Llama-3-8B: 16 variants (2 of them the sampler's; 2 more with LoRA), about 1 s each to compile
+cold on one core;
 Triton's cache directory (``common/cache_dir.py``) keeps them for the next start.
 """
 
@@ -45,6 +47,7 @@ import torch
 from kernels._common import check
 from kernels.activation import silu_and_mul
 from kernels.block_copy import gather_blocks, scatter_blocks
+from kernels.lora import lora_expand, lora_shrink
 from kernels.paged_decode_attention import paged_decode_attention, warmup_plans
 from kernels.paged_prefill_attention import paged_prefill_attention, prefill_plan
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -67,6 +70,7 @@ class ModelShape:
     intermediate_size: int
     qk_norm: bool = False  # Qwen3: rms_norm over each q and k head before RoPE
     vocab_size: int = 0  # > 0: the sampler's kernels are warmed too
+    lora_rank: int = 0  # > 0: the adapter slots' padded rank; the LoRA kernels are warmed too
 
     def __post_init__(self) -> None:
         sizes = (self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size)
@@ -108,6 +112,8 @@ def warm_up(shape: ModelShape, limits: LaunchLimits, kv_cache: torch.Tensor) -> 
     calls += _block_copies(kv_cache)
     if shape.vocab_size > 0:
         calls += warm_up_sampler(shape.vocab_size, kv_cache.device)
+    if shape.lora_rank > 0:
+        calls += _lora(shape, layer)
     if kv_cache.device.type == "cuda":
         torch.cuda.synchronize(kv_cache.device)
     report = WarmupReport(calls, time.perf_counter() - start)
@@ -187,3 +193,28 @@ def _block_copies(kv_cache: torch.Tensor) -> int:
     packed = gather_blocks(layer, block_ids)
     scatter_blocks(layer, block_ids, packed)  # block 0 back as it was
     return 2
+
+
+def _lora(shape: ModelShape, layer: torch.Tensor) -> int:
+    """Each projection's shrink and its expands into the projection's output columns (q|k|v,
+    o, gate|up, down), over one padding tile: the kernels run and write nothing. The number of
+    adapter slots is no part of a variant: one slot's weights stand for them."""
+    s, rank = shape, shape.lora_rank
+    zeros = layer.new_zeros
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    sorted_tokens = torch.zeros(1, dtype=torch.int32, device=layer.device)
+    tiles = torch.tensor([[0, 0, -1]], dtype=torch.int32, device=layer.device)
+    projections = (  # (input width, the output's column slices)
+        (s.hidden_size, (q, kv, kv)),
+        (q, (s.hidden_size,)),
+        (s.hidden_size, (s.intermediate_size, s.intermediate_size)),
+        (s.intermediate_size, (s.hidden_size,)),
+    )
+    calls = 0
+    for width, slices in projections:
+        shrunk = zeros(1, rank)
+        lora_shrink(zeros(1, width), zeros(1, rank, width), sorted_tokens, tiles, shrunk)
+        for y in zeros(1, sum(slices)).split(slices, dim=1):  # column slices, as the model's
+            lora_expand(shrunk, zeros(1, y.shape[1], rank), sorted_tokens, tiles, y)
+        calls += 1 + len(slices)
+    return calls

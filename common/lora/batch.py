@@ -24,14 +24,17 @@ class LoraBatch:
         token_slots: list[int],
         a: dict[tuple[int, str], torch.Tensor],
         b: dict[tuple[int, str], torch.Tensor],
-        device: torch.device,
+        kernels: bool,
     ) -> None:
+        """``kernels``: apply with ``kernels/lora.py`` (CUDA; tests run it interpreted on the
+        CPU), else with the CPU's grouped GEMMs."""
         self.a, self.b = a, b
         self.num_tokens = len(token_slots)
-        self.cuda = device.type == "cuda"
-        if self.cuda:
+        self.kernels = kernels
+        if kernels:
             from kernels.lora import lora_tiles
 
+            device = next(iter(a.values())).device
             sorted_tokens, tiles = lora_tiles(token_slots)
             self.sorted_tokens = sorted_tokens.to(device, non_blocking=True)
             self.tiles = tiles.to(device, non_blocking=True)
@@ -53,7 +56,7 @@ class LoraBatch:
         if a is None:
             return
         b = self.b[layer, proj]
-        if self.cuda:
+        if self.kernels:
             from kernels.lora import lora_expand, lora_shrink
 
             s = x.new_empty(x.shape[0], a.shape[1])

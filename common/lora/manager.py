@@ -64,6 +64,7 @@ class LoraManager:
         self.resident: OrderedDict[str, int] = OrderedDict()  # identity → slot, LRU first
         self.num_loads = 0
         self._checked: set[str] = set()  # content hashes whose shapes fit
+        self.kernels = device.type == "cuda"  # kernels/lora.py (tests: interpreted on a CPU)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +88,7 @@ class LoraManager:
             token_slots += [slot] * s.num_new_tokens
         if not any_lora:
             return None
-        return LoraBatch(token_slots, self.a, self.b, self.device)
+        return LoraBatch(token_slots, self.a, self.b, self.kernels)
 
     def _slot(self, lora: LoraRef, used: set[str]) -> int:
         """``lora``'s slot, loading it there if needed; ``used``: the step's adapters so far,

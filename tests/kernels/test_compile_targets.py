@@ -3,8 +3,9 @@
 A child process (``cross_compile_child``: Triton imported with ``TRITON_INTERPRET`` unset)
 drives the launchers through :func:`kernels.warmup.warm_up`, which launches each one as the
 engine does (the model's fused ops, the attention backend's eager and graph-width block tables,
-the connector's block copies), for Llama-3.2-1B, Llama-3-8B and Qwen3-8B head sizes in bf16 and
-fp16, through a stand-in driver that compiles every launch to a cubin and runs none. A variant
+the connector's block copies, the LoRA shrink and expand of every projection), for
+Llama-3.2-1B, Llama-3-8B and Qwen3-8B head sizes in bf16 and fp16 (adapters of rank 16),
+through a stand-in driver that compiles every launch to a cubin and runs none. A variant
 that stops compiling (Triton or ptxas) fails the test with the compiler's message, and so does
 a variant set that differs from the one below: a specialisation split in two would compile
 again mid-serving, a missing one would compile there for the first time.
@@ -48,6 +49,7 @@ BUCKETS = {
     "_paged_decode_attention_kernel": ("BLOCK_N",),
     "_paged_decode_reduce_kernel": ("BLOCK_N",),
     "_block_copy_kernel": ("TO_CACHE",),
+    "_lora_kernel": ("EXPAND",),
 }
 
 
@@ -65,6 +67,8 @@ def expected_variants(model: str, max_model_len: int) -> Counter[tuple[Any, ...]
     variants += [("_block_copy_kernel", to_cache) for to_cache in (False, True)]
     variants += [("_reshape_and_cache_kernel",)]
     variants += [("_sample_tiles_kernel",), ("_sample_pick_kernel",)]
+    if shape.lora_rank > 0:  # every projection's shrink, and expand into its column slices
+        variants += [("_lora_kernel", expand) for expand in (False, True)]
     return Counter(variants)
 
 
