@@ -86,7 +86,7 @@ def test_the_client_chooses_adapters_by_model(lora_cluster, offline, adapter_dir
     assert base == _want(offline, adapter_dirs, None)
     assert alpha == _want(offline, adapter_dirs, "alpha")
     assert alpha != base
-    with pytest.raises(openai.NotFoundError, match="LoRA adapters \[.alpha.\]"):
+    with pytest.raises(openai.NotFoundError, match=r"LoRA adapters \[.alpha.\]"):
         _api(lora_cluster).completions.create(model="beta", prompt=PROMPT, **GREEDY)
     wait_no_leaks(lora_cluster)
 
@@ -127,4 +127,23 @@ def test_load_and_unload_an_adapter_on_every_node(lora_cluster, offline, adapter
     with pytest.raises(openai.NotFoundError):
         _api(lora_cluster).completions.create(model="beta", prompt=PROMPT, **GREEDY)
     assert _tokens(lora_cluster, "alpha") == _want(offline, adapter_dirs, "alpha")  # still well
+    wait_no_leaks(lora_cluster)
+
+
+def test_a_node_without_the_adapter_refuses_never_serves_base_weights(lora_cluster):
+    """Straight to the decode node, past the router: an adapter it does not serve is
+    INVALID_ARGUMENT, the node stays healthy and every block free."""
+    node = lora_cluster.decode[0]
+    with grpc.insecure_channel(node.address) as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        request = pb.DecodeRequest(
+            request_id="direct-1", prompt_token_ids=PROMPT, lora_name="gamma",
+            sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=4),
+        )  # fmt: skip
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Decode(request, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'gamma' is not served here" in refused.value.details()
+        request.lora_name, request.request_id = "alpha", "direct-2"
+        assert sum(len(r.token_ids) for r in stub.Decode(request, timeout=120)) == 4
     wait_no_leaks(lora_cluster)
