@@ -47,7 +47,7 @@ async def beam_search(
     k = search.num_logprobs
     handle: pb.KVHandle | None = None
     first = _round_sampling(1 if search.max_tokens == 1 else 2, k)
-    prompt = flow.prompt_info(spec.prompt_token_ids)
+    prompt = flow.prompt_info(spec.prompt_token_ids, spec.lora_name)
     response = await flow._prefill_or_fallback(spec, 0, first, prompt, usage)
     if response is not None:  # else no prefill path: round 1 runs on the decode node too
         usage.cached_tokens = response.num_cached_tokens

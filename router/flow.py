@@ -257,11 +257,14 @@ class RequestFlow:
         self.quarantine = Quarantine(config.quarantine_after, config.quarantine_s)
         self._aborts: set[asyncio.Task[None]] = set()
 
-    def prompt_info(self, token_ids: list[int]) -> PromptInfo:
+    def prompt_info(self, token_ids: list[int], lora_name: str = "") -> PromptInfo:
         """The prompt's length and its block hashes in the pool's block size (none while the
-        router knows no node: there is nothing to be affine to)."""
+        router knows no node: there is nothing to be affine to). Under an adapter the hashes
+        are salted with its name: its KV is not the base model's (the nodes key it by name and
+        content; affinity only needs the name)."""
         size = self.registry.block_size()
-        hashes = hash_blocks(token_ids, size) if size else []
+        salt = f"lora:{lora_name}" if lora_name else None
+        hashes = hash_blocks(token_ids, size, salt) if size else []
         return PromptInfo(len(token_ids), hashes, size or 0)
 
     async def generate(self, spec: GenerateSpec, usage: Usage) -> AsyncGenerator[SampleDelta, None]:
@@ -276,7 +279,7 @@ class RequestFlow:
                 async for delta in hypotheses:
                     yield delta
         else:
-            prompt = self.prompt_info(spec.prompt_token_ids)
+            prompt = self.prompt_info(spec.prompt_token_ids, spec.lora_name)
             samples = [self._sample(spec, i, prompt, usage) for i in range(spec.params.n)]
             # aclosing: closing this generator must close the inner ones at once (cancel upstream)
             async with aclosing(merged(samples)) as deltas:
