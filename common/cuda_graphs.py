@@ -44,6 +44,8 @@ from common.step_outputs import ScheduledRequest
 
 if TYPE_CHECKING:
     from common.config import RunnerConfig
+    from common.lora.batch import GraphLoraBatch
+    from common.lora.manager import LoraManager
     from common.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -75,8 +77,12 @@ class DecodeGraphs:
         sizes: list[int],
         max_seq_len: int,
         capture: bool,
+        lora: LoraManager | None = None,
     ) -> None:
+        """``lora``: the runner's adapter slots (LoRA on): graphs apply each row's adapter."""
         self.model, self.inputs, self.block_size = model, inputs, block_size
+        self.lora = lora
+        self._lora_rows: GraphLoraBatch | None = None  # captured: fixed buffers, refilled
         self.sizes = sorted(sizes)
         self.row_stride = -(-max_seq_len // block_size)  # block-table width of a graph
         self.capture = capture
@@ -93,13 +99,14 @@ class DecodeGraphs:
         block_size: int,
         max_model_len: int,
         capture: bool,
+        lora: LoraManager | None = None,
     ) -> DecodeGraphs:
         """The sizes and context a runner's config asks for (``max_seq_len_to_capture``, else
         ``max_model_len``; ``max_num_seqs``, ``cuda_graph_sizes``)."""
         asked = config.max_seq_len_to_capture
         max_seq_len = max_model_len if asked is None else min(asked, max_model_len)
         sizes = capture_sizes(config.max_num_seqs, config.cuda_graph_sizes)
-        return DecodeGraphs(model, inputs, block_size, sizes, max_seq_len, capture)
+        return DecodeGraphs(model, inputs, block_size, sizes, max_seq_len, capture, lora)
 
     @property
     def max_size(self) -> int:
@@ -126,6 +133,8 @@ class DecodeGraphs:
         if not self.capture:
             return
         device = kv_layers[0].device
+        if self.lora is not None:
+            self._lora_rows = self.lora.graph_batch(self.max_size)
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.graph_pool_handle()
@@ -154,14 +163,22 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         v = self.inputs.views(size, size, self.row_stride)
         assert self._kv_layers is not None
+        v.meta.lora = self._lora_rows  # every tile a padding one until a replay refills them
         return self.model(v.input_ids, v.positions, self._kv_layers, v.meta)
 
-    def replay(self, size: int, inputs: StepInputs) -> torch.Tensor:
+    def replay(
+        self, size: int, inputs: StepInputs, lora_slots: list[int] | None = None
+    ) -> torch.Tensor:
         """Hidden states ``(size, hidden)`` of the step just written into the input buffers
-        (``inputs``: their views, padded to ``size``; a graph reads the same addresses)."""
+        (``inputs``: their views, padded to ``size``; a graph reads the same addresses).
+        ``lora_slots``: each real row's adapter slot (None: none has one)."""
         self.replays += 1
         if not self.capture:
             assert self._kv_layers is not None
+            rows = self.lora.batch(lora_slots) if self.lora and lora_slots else None
+            inputs.meta.lora = rows
             return self.model(inputs.input_ids, inputs.positions, self._kv_layers, inputs.meta)
+        if self._lora_rows is not None:
+            self._lora_rows.refill(lora_slots or [])
         self._graphs[size].replay()
         return self._outputs[size]

@@ -210,8 +210,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:  # TP: every rank, lockstep
             self.graphs = DecodeGraphs.for_config(
-                self.model, self.inputs, config, self.block_size, max_model_len, capture=True
-            )
+                self.model, self.inputs, config, self.block_size, max_model_len, capture=True,
+                lora=self.lora,
+            )  # fmt: skip
         self.num_blocks = self._num_blocks(cache_config)
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): see ARCHITECTURE.md
         shape = (a.num_layers, 2, self.num_blocks, self.block_size, kv_heads, a.head_dim)
@@ -343,11 +344,9 @@ class ModelRunner:
         return StepResult(sampled, rows, owners, counts, prompt)
 
     def _run_model(self, out: SchedulerOutput, hooked: bool) -> tuple[torch.Tensor, StepInputs]:
-        """``hooked``: the connector has per-layer work (no graph replay then, nor for a step
-        with adapters: the graphs are captured for the base model's rows)."""
+        """``hooked``: the connector has per-layer work (no graph replay then)."""
         lora = self.lora.activate(out.scheduled) if self.lora is not None else None
-        eager = hooked or lora is not None or self.graphs is None
-        size = None if eager else self.graphs.size_for(out.scheduled)  # type: ignore[union-attr]
+        size = None if hooked or self.graphs is None else self.graphs.size_for(out.scheduled)
         stride = self.graphs.row_stride if size is not None else None  # type: ignore[union-attr]
         inputs = self.inputs.prepare(
             out.scheduled, self._prev_rows, padded_seqs=size, row_stride=stride
@@ -357,9 +356,9 @@ class ModelRunner:
             self.inputs.fill_from(inputs, self._prev_sampled)
         self._announce_step(inputs, out, size, hooked)
         if size is not None:
-            return self.graphs.replay(size, inputs), inputs  # type: ignore[union-attr]
+            return self.graphs.replay(size, inputs, lora), inputs  # type: ignore[union-attr]
         inputs.meta.hooks = self.hooks if hooked else None
-        inputs.meta.lora = lora
+        inputs.meta.lora = self.lora.batch(lora) if lora is not None else None  # type: ignore[union-attr]
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, inputs.meta)
         return hidden, inputs
 

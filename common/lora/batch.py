@@ -68,3 +68,34 @@ class LoraBatch:
                 y += (x @ a[slot].T) @ b[slot].T
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].T) @ b[slot].T)
+
+
+class GraphLoraBatch(LoraBatch):
+    """The kernel path over fixed device buffers, for CUDA graphs: captured once with every
+    tile a padding one, refilled with a step's rows before each replay (``refill``, copies
+    ordered on the stream after the step before it, as the other input buffers are)."""
+
+    def __init__(
+        self,
+        a: dict[tuple[int, str], torch.Tensor],
+        b: dict[tuple[int, str], torch.Tensor],
+        max_rows: int,
+        max_slots: int,
+    ) -> None:
+        from kernels.lora import max_lora_tiles
+
+        self.a, self.b, self.kernels = a, b, True
+        self.num_tokens = max_rows
+        device = next(iter(a.values())).device
+        self.max_tiles = max_lora_tiles(max_rows, max_slots)
+        self.sorted_tokens = torch.zeros(max(1, max_rows), dtype=torch.int32, device=device)
+        padding = torch.tensor([[0, 0, -1]], dtype=torch.int32)
+        self.tiles = padding.repeat(self.max_tiles, 1).to(device)
+
+    def refill(self, token_slots: list[int]) -> None:
+        """The rows of the step about to be replayed (padding rows: none, -1)."""
+        from kernels.lora import lora_tiles
+
+        sorted_tokens, tiles = lora_tiles(token_slots, pad_tiles=self.max_tiles)
+        self.sorted_tokens[: len(sorted_tokens)].copy_(sorted_tokens, non_blocking=True)
+        self.tiles.copy_(tiles, non_blocking=True)

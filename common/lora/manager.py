@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from common.lora.adapter import LoraRef, adapter_config
-from common.lora.batch import LoraBatch
+from common.lora.batch import GraphLoraBatch, LoraBatch
 from common.lora.weights import ModelProjections, Projection, check_shapes, read_weights
 from common.step_outputs import ScheduledRequest
 
@@ -77,8 +77,9 @@ class LoraManager:
             check_shapes(lora.path, config, self.projections)
             self._checked.add(lora.content_hash)
 
-    def activate(self, scheduled: list[ScheduledRequest]) -> LoraBatch | None:
-        """Put the step's adapters in slots; its rows' slots (None: no row has an adapter)."""
+    def activate(self, scheduled: list[ScheduledRequest]) -> list[int] | None:
+        """Put the step's adapters in slots; each row's slot (-1: the base model), or None
+        when no row has an adapter."""
         token_slots: list[int] = []
         any_lora, used = False, set[str]()
         for s in scheduled:
@@ -86,9 +87,15 @@ class LoraManager:
             slot = -1 if lora is None else self._slot(lora, used)
             any_lora |= slot >= 0
             token_slots += [slot] * s.num_new_tokens
-        if not any_lora:
-            return None
+        return token_slots if any_lora else None
+
+    def batch(self, token_slots: list[int]) -> LoraBatch:
+        """An eager step's LoRA rows."""
         return LoraBatch(token_slots, self.a, self.b, self.kernels)
+
+    def graph_batch(self, max_rows: int) -> GraphLoraBatch:
+        """Fixed buffers for captured steps of up to ``max_rows`` rows (the kernel path)."""
+        return GraphLoraBatch(self.a, self.b, max_rows, self.max_loras)
 
     def _slot(self, lora: LoraRef, used: set[str]) -> int:
         """``lora``'s slot, loading it there if needed; ``used``: the step's adapters so far,

@@ -173,7 +173,7 @@ def test_graph_sizes_and_fallbacks():
     graphs.capture_all(runner.kv_layers)
     replayed = []
     real_replay = graphs.replay
-    graphs.replay = lambda size, inputs: replayed.append(size) or real_replay(size, inputs)
+    graphs.replay = lambda size, *rest: replayed.append(size) or real_replay(size, *rest)
     runner.graphs = graphs
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     # 3 sequences decode in 4-row graphs until the longest passes 64 tokens of context, then

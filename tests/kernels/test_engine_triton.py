@@ -47,7 +47,7 @@ def test_graph_shaped_decode_with_the_triton_kernels(model):
     runner.graphs.capture_all(runner.kv_layers)
     replayed = []
     real_replay = runner.graphs.replay
-    runner.graphs.replay = lambda size, inputs: replayed.append(size) or real_replay(size, inputs)
+    runner.graphs.replay = lambda size, *rest: replayed.append(size) or real_replay(size, *rest)
     got = [o.outputs[0].token_ids for o in shaped.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert replayed and set(replayed) == {4}  # 3 decoding sequences padded to 4 rows

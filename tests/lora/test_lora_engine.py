@@ -190,3 +190,28 @@ def test_structured_output_under_an_adapter(llm, adapter_dirs):
     out = llm.generate(["Numbers:"], params, use_tqdm=False, lora_request=alpha)[0]
     text = out.outputs[0].text
     assert len(text) == 3 and text.isdigit(), text
+
+
+def test_graph_shaped_decode_steps_apply_each_rows_adapter(adapter_dirs):
+    """Decode steps through the CUDA-graph path (padded, fixed addresses; eager on a CPU) with
+    base and adapter rows mixed give the tokens of eager steps."""
+    from common.cuda_graphs import DecodeGraphs
+
+    prompts = random_prompts(1000, 3, (10, 30), seed=14)
+    outs = []
+    for shaped in (False, True):
+        with LLM("tiny-llama", **ARGS) as engine:
+            runner = engine.engine.runner
+            if shaped:
+                runner.graphs = DecodeGraphs(
+                    runner.model, runner.inputs, runner.block_size, [1, 2, 4],
+                    max_seq_len=256, capture=False, lora=runner.lora,
+                )  # fmt: skip
+                runner.graphs.capture_all(runner.kv_layers)
+            loras = [None, *(engine.lora(n, str(adapter_dirs[n])) for n in ("alpha", "beta"))]
+            outs.append(
+                _tokens(engine.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+            )
+            if shaped:
+                assert runner.graphs.replays > 0
+    assert outs[0] == outs[1]
