@@ -7,8 +7,11 @@ delta to the projection's output ``y`` in place: ``y[t] += (x[t] A[slot]ᵀ) B[s
 - CUDA: two Triton launches per projection (``kernels/lora.py``: shrink, expand) over tiles of
   rows grouped by adapter, so each tile reads its adapter's weights once; nothing is read on the
   host during the forward.
-- CPU: per adapter present in the step (≤ ``max_loras``, never per request), two GEMMs over its
-  rows: gathered when the step mixes adapters, the whole batch when one adapter has every row.
+- CPU: one adapter with every row: two GEMMs over the batch. Several adapters in a step whose
+  rows pad to one length with little waste (decode): every slot's rows gathered into one
+  ``(S, L, K)`` batch, two batched GEMMs, one scatter-add — five ops whatever the adapters. Else
+  (a long prompt chunk beside a few decodes): two GEMMs per adapter present (≤ ``max_loras``,
+  never per request) over its gathered rows.
 """
 
 from __future__ import annotations
@@ -48,6 +51,24 @@ class LoraBatch:
             (slot, None if len(rows) == self.num_tokens else torch.tensor(rows))
             for slot, rows in by_slot.items()
         ]
+        self.padded = self._padded_groups(by_slot, next(iter(a.values())).shape[0])
+
+    def _padded_groups(
+        self, by_slot: dict[int, list[int]], num_slots: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """When several adapters share the step and padding them to one length wastes little
+        (decode steps): ``(gather (S, L), scatter (S L,))`` row indices, every slot's rows
+        padded to the longest with a zero row (``T``) gathered and row 0 scattered to (adding
+        zeros), so a projection's deltas are two batched GEMMs over every slot at once."""
+        if len(by_slot) < 2:
+            return None
+        longest = max(len(rows) for rows in by_slot.values())
+        if num_slots * longest > 2 * sum(len(rows) for rows in by_slot.values()):
+            return None  # unbalanced (a prompt chunk beside decodes): one GEMM pair per adapter
+        gather = torch.full((num_slots, longest), self.num_tokens, dtype=torch.long)
+        for slot, rows in by_slot.items():
+            gather[slot, : len(rows)] = torch.tensor(rows)
+        return gather, torch.where(gather == self.num_tokens, 0, gather).flatten()
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y (T, N) += delta(x (T, K))`` for the rows with an adapter; other rows untouched.
@@ -62,6 +83,12 @@ class LoraBatch:
             s = x.new_empty(x.shape[0], a.shape[1])
             lora_shrink(x, a, self.sorted_tokens, self.tiles, s)
             lora_expand(s, b, self.sorted_tokens, self.tiles, y)
+            return
+        if self.padded is not None:
+            gather, scatter = self.padded
+            rows = torch.cat((x, x.new_zeros(1, x.shape[1])))[gather]  # (S, L, K)
+            delta = torch.bmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2))  # (S, L, N)
+            y.index_add_(0, scatter, delta.flatten(0, 1))
             return
         for slot, rows in self.groups:
             if rows is None:
