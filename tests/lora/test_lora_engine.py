@@ -215,3 +215,33 @@ def test_graph_shaped_decode_steps_apply_each_rows_adapter(adapter_dirs):
             if shaped:
                 assert runner.graphs.replays > 0
     assert outs[0] == outs[1]
+
+
+def test_a_moe_model_serves_attention_adapters_and_refuses_expert_ones(tmp_path):
+    """tiny-mixtral: an adapter on the attention equals HF + PEFT; one whose tensors target a
+    MoE layer's MLP (the experts) is refused at admission, saying so."""
+    from safetensors.torch import save_file
+
+    from tests.lora.adapters import write_adapter
+
+    model = resolve_model_path("tiny-mixtral")
+    attn = write_adapter(model, tmp_path / "attn", 5, r=8, lora_alpha=16,
+                         target_modules=["q_proj", "o_proj"])  # fmt: skip
+    prompts = random_prompts(500, 2, (5, 30), seed=15)
+    with LLM("tiny-mixtral", enable_lora=True, num_blocks=256) as moe:
+        out = moe.generate(prompts, GREEDY, use_tqdm=False, lora_request=moe.lora("a", str(attn)))
+        hf = peft_model(model, attn)
+        assert _tokens(out) == [hf_greedy(hf, p, 12) for p in prompts]
+        experts = tmp_path / "experts"
+        experts.mkdir()
+        (experts / "adapter_config.json").write_text(
+            json.dumps(
+                {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "target_modules": ["down_proj"]}
+            )
+        )
+        key = "base_model.model.model.layers.0.mlp.down_proj"
+        save_file({f"{key}.lora_A.weight": torch.zeros(8, 128),
+                   f"{key}.lora_B.weight": torch.zeros(128, 8)},
+                  str(experts / "adapter_model.safetensors"))  # fmt: skip
+        with pytest.raises(ValueError, match="targets a mixture-of-experts layer"):
+            moe.engine.add_request("e", [5, 6, 7], GREEDY, lora=moe.lora("e", str(experts)))
