@@ -3,17 +3,20 @@ the tokens of the CPU's grouped GEMMs, in a step mixing two adapters and the bas
 
 from __future__ import annotations
 
+import pytest
+
 from common import LLM, SamplingParams
 from common.models.names import resolve_model_path
 from tests.engine.hf_reference import random_prompts
-from tests.lora.adapters import ADAPTERS, write_adapter
+from tests.lora.adapters import base_and_adapters, write_test_adapters
 
 
-def test_kernel_path_equals_the_cpu_path(tmp_path):
-    model = resolve_model_path("tiny-llama")
-    dirs = {
-        n: write_adapter(model, tmp_path / n, i, **a) for i, (n, a) in enumerate(ADAPTERS.items())
-    }
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return write_test_adapters(resolve_model_path("tiny-llama"), tmp_path_factory.mktemp("lora"))
+
+
+def test_kernel_path_equals_the_cpu_path(dirs):
     prompts = random_prompts(1000, 3, (18, 24), seed=21)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     tokens = []
@@ -22,26 +25,18 @@ def test_kernel_path_equals_the_cpu_path(tmp_path):
             manager = llm.engine.runner.lora
             assert manager is not None
             manager.kernels = kernels
-            loras = [
-                None,
-                llm.lora("alpha", str(dirs["alpha"])),
-                llm.lora("beta", str(dirs["beta"])),
-            ]
+            loras = base_and_adapters(llm, dirs)
             outs = llm.generate(prompts, greedy, use_tqdm=False, lora_request=loras)
             tokens.append([o.outputs[0].token_ids for o in outs])
     assert tokens[0] == tokens[1]
 
 
-def test_graph_rows_refilled_per_replay_equal_eager(tmp_path):
+def test_graph_rows_refilled_per_replay_equal_eager(dirs):
     """What a captured decode graph does under LoRA, interpreted on the CPU: the LoRA kernels
     read fixed buffers (``GraphLoraBatch``) that each replay refills with the step's rows,
     padded rows and padding tiles doing nothing; the tokens equal the eager CPU path's."""
     from common.cuda_graphs import DecodeGraphs
 
-    model = resolve_model_path("tiny-llama")
-    dirs = {
-        n: write_adapter(model, tmp_path / n, i, **a) for i, (n, a) in enumerate(ADAPTERS.items())
-    }
     prompts = random_prompts(1000, 3, (10, 20), seed=22)
     greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     args = dict(enable_lora=True, max_loras=2, num_blocks=128, max_model_len=256)
@@ -66,11 +61,7 @@ def test_graph_rows_refilled_per_replay_equal_eager(tmp_path):
 
                 graphs.replay = replay
                 runner.graphs = graphs
-            loras = [
-                None,
-                llm.lora("alpha", str(dirs["alpha"])),
-                llm.lora("beta", str(dirs["beta"])),
-            ]
+            loras = base_and_adapters(llm, dirs)
             outs = llm.generate(prompts, greedy, use_tqdm=False, lora_request=loras)
             tokens.append([o.outputs[0].token_ids for o in outs])
     assert tokens[0] == tokens[1]

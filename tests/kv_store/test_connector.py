@@ -41,11 +41,10 @@ def params(max_tokens: int, greedy: bool) -> SamplingParams:
 
 
 def run(engine: EngineCore, requests) -> dict[str, dict]:
-    """Run (request_id, prompt, params, output_token_ids[, kv_handle]) to completion."""
-    for rid, prompt, p, outs, *handle in requests:
-        engine.add_request(
-            rid, prompt, p, output_token_ids=outs, kv_handle=next(iter(handle), None)
-        )
+    """Run (request_id, prompt, params, output_token_ids[, kv_handle[, lora]]) to completion."""
+    for rid, prompt, p, outs, *rest in requests:
+        handle, lora = (*rest, None, None)[:2]
+        engine.add_request(rid, prompt, p, output_token_ids=outs, kv_handle=handle, lora=lora)
     res = {r[0]: {"tokens": [], "handle": None, "loaded": 0} for r in requests}
     while engine.has_unfinished():
         for out in engine.step():

@@ -38,6 +38,19 @@ def write_adapter(model_dir: Path, out: Path, seed: int, **lora_args) -> Path:
     return out
 
 
+def write_test_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
+    """``ADAPTERS`` written under ``root`` for ``model_dir``, by name."""
+    return {
+        name: write_adapter(model_dir, root / name, seed, **args)
+        for seed, (name, args) in enumerate(ADAPTERS.items())
+    }
+
+
+def base_and_adapters(llm, dirs: dict[str, Path]) -> list:
+    """The three ways to run a prompt: the base model, then each of ``dirs``' adapters."""
+    return [None, *(llm.lora(name, str(path)) for name, path in dirs.items())]
+
+
 def peft_model(model_dir: Path, adapter_dir: Path | None):
     """HF transformers with the adapter applied by PEFT (None: the base model)."""
     model = base_model(model_dir)

@@ -5,14 +5,11 @@ from __future__ import annotations
 import pytest
 
 from common.models.names import resolve_model_path
-from tests.lora.adapters import ADAPTERS, write_adapter
+from tests.lora.adapters import write_test_adapters
 
 
 @pytest.fixture(scope="session")
 def adapter_dirs(tmp_path_factory) -> dict[str, object]:
-    model = resolve_model_path("tiny-llama")
-    root = tmp_path_factory.mktemp("adapters")
-    return {
-        name: write_adapter(model, root / name, seed, **args)
-        for seed, (name, args) in enumerate(ADAPTERS.items())
-    }
+    return write_test_adapters(
+        resolve_model_path("tiny-llama"), tmp_path_factory.mktemp("adapters")
+    )

@@ -16,8 +16,8 @@ from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
 from common import LLM, SamplingParams
-from tests.router.conftest import ROUTER_FLAGS, Cluster, RouterProcess, wait_no_leaks
-from tests.services.nodes import ENGINE_FLAGS, NodeProcess
+from tests.router.conftest import Cluster, run_cluster, wait_no_leaks
+from tests.services.nodes import ENGINE_FLAGS
 
 PROMPT = [1, *range(400, 440)]  # 41 tokens: two full blocks and a partial one
 LORA_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16")
@@ -26,28 +26,8 @@ GREEDY = dict(temperature=0.0, max_tokens=10)
 
 @pytest.fixture(scope="module")
 def lora_cluster(tmp_path_factory, adapter_dirs) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("lora-e2e")
-    store_url = f"file://{workdir / 'kv'}"
-    router = RouterProcess(workdir, *ROUTER_FLAGS).wait_ready()
-    extra = ("--router", router.grpc_target, *LORA_FLAGS,
-             "--lora-modules", f"alpha={adapter_dirs['alpha']}")  # fmt: skip
-    nodes = [NodeProcess(kind, store_url, workdir, *extra) for kind in ("prefill", "decode")]
-    try:
-        for node in nodes:
-            node.wait_ready()
-        cluster = Cluster(router, nodes[:1], nodes[1:], store_url, workdir)
-        cluster.wait_instances(1, 1)
-    except BaseException:
-        for node in nodes:
-            node.kill()
-        router.stop()
-        raise
-    yield cluster
-    for node in nodes:
-        node.terminate()
-    for node in nodes:
-        node.wait()
-    assert router.stop() == 0, router.log_tail()
+    modules = ("--lora-modules", f"alpha={adapter_dirs['alpha']}")
+    yield from run_cluster(tmp_path_factory.mktemp("lora-e2e"), 1, 1, *LORA_FLAGS, *modules)
 
 
 @pytest.fixture(scope="module")

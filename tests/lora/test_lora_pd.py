@@ -15,7 +15,7 @@ from common.lora.adapter import LoraRef, read_adapter
 from common.models.names import resolve_model_path
 from kv_transfer.connector import create_store_connector
 from tests.engine.hf_reference import hf_greedy, random_prompts
-from tests.kv_store.test_connector import params
+from tests.kv_store.test_connector import params, run
 from tests.lora.adapters import peft_model
 
 ARGS = dict(
@@ -28,21 +28,6 @@ NAMES = (None, "alpha", "beta")
 def _engine(url: str | None = None, role: str | None = None) -> EngineCore:
     config = EngineConfig.from_kwargs(**ARGS, kv_store=url, kv_role=role)
     return EngineCore(config, functools.partial(create_store_connector) if url else None)
-
-
-def _run(engine: EngineCore, requests) -> dict[str, dict]:
-    """(request_id, prompt, params, outputs, lora, handle) to completion."""
-    for rid, prompt, p, outs, lora, handle in requests:
-        engine.add_request(rid, prompt, p, output_token_ids=outs, kv_handle=handle, lora=lora)
-    res = {r[0]: {"tokens": [], "handle": None, "loaded": 0} for r in requests}
-    while engine.has_unfinished():
-        for out in engine.step():
-            res[out.request_id]["tokens"] += out.new_token_ids
-            if out.finish_reason:
-                res[out.request_id].update(handle=out.kv_handle, loaded=out.num_external_tokens)
-    engine.check_integrity()
-    assert engine.num_free_blocks() == engine.runner.num_blocks
-    return res
 
 
 def _refs(adapter_dirs) -> dict[str | None, LoraRef | None]:
@@ -69,15 +54,15 @@ def test_disaggregated_equals_colocated_under_every_adapter(
     prompt = random_prompts(1000, 1, (40, 40), seed=12)[0]  # the same prompt under all three
     jobs = [(f"{name}", prompt, refs[name]) for name in NAMES]
     colocated = _engine()
-    want = _run(colocated, [(r, p, params(12, greedy), None, lora, None) for r, p, lora in jobs])
+    want = run(colocated, [(r, p, params(12, greedy), None, None, lora) for r, p, lora in jobs])
     colocated.close()
     url = _store_url(store, tmp_path, redis_server_factory)
     producer = _engine(url, "producer")
-    first = _run(producer, [(r, p, params(1, greedy), None, lora, None) for r, p, lora in jobs])
+    first = run(producer, [(r, p, params(1, greedy), None, None, lora) for r, p, lora in jobs])
     producer.close()
     consumer = _engine(url, "consumer")
-    rest = _run(consumer, [
-        (r, p, params(12, greedy), first[r]["tokens"], lora, first[r]["handle"])
+    rest = run(consumer, [
+        (r, p, params(12, greedy), first[r]["tokens"], first[r]["handle"], lora)
         for r, p, lora in jobs
     ])  # fmt: skip
     consumer.close()
@@ -100,7 +85,7 @@ def test_a_handle_never_carries_kv_across_adapters(adapter_dirs, tmp_path):
     prompt = random_prompts(1000, 1, (40, 40), seed=13)[0]
     url = f"file://{tmp_path}/kv"
     producer = _engine(url, "producer")
-    first = _run(producer, [("a", prompt, params(1, True), None, refs["alpha"], None)])
+    first = run(producer, [("a", prompt, params(1, True), None, None, refs["alpha"])])
     producer.close()
     handle, token = first["a"]["handle"], first["a"]["tokens"]
     consumer = _engine(url, "consumer")
@@ -119,6 +104,6 @@ def test_a_handle_never_carries_kv_across_adapters(adapter_dirs, tmp_path):
                              kv_handle=forged, lora=refs["beta"])  # fmt: skip
     assert not consumer.has_unfinished() and consumer.num_free_blocks() == 256
     # asked without a handle, beta finds none of alpha's entries: it recomputes
-    rest = _run(consumer, [("b", prompt, params(4, True), token, refs["beta"], None)])
+    rest = run(consumer, [("b", prompt, params(4, True), token, None, refs["beta"])])
     assert rest["b"]["loaded"] == 0
     consumer.close()

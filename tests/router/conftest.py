@@ -123,19 +123,19 @@ class Cluster:
             time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    workdir = tmp_path_factory.mktemp("router-e2e")
+def run_cluster(workdir: Path, prefill: int, decode: int, *node_flags: str) -> Iterator[Cluster]:
+    """A router and ``prefill`` + ``decode`` registered nodes over a file store, until the
+    generator is closed (a fixture's body)."""
     store_url = f"file://{workdir / 'kv'}"
     router = RouterProcess(workdir, *ROUTER_FLAGS).wait_ready()
-    extra = ("--router", router.grpc_target, "--max-num-seqs", "64")
-    kinds = ["prefill", "prefill", "decode", "decode"]
+    extra = ("--router", router.grpc_target, *node_flags)
+    kinds = ["prefill"] * prefill + ["decode"] * decode
     nodes = [NodeProcess(kind, store_url, workdir, *extra) for kind in kinds]
     try:
         for node in nodes:
             node.wait_ready()
-        result = Cluster(router, nodes[:2], nodes[2:], store_url, workdir)
-        result.wait_instances(2, 2)
+        result = Cluster(router, nodes[:prefill], nodes[prefill:], store_url, workdir)
+        result.wait_instances(prefill, decode)
     except BaseException:
         for node in nodes:
             node.kill()
@@ -147,6 +147,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     for node in nodes:
         node.wait()
     assert router.stop() == 0, router.log_tail()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from run_cluster(tmp_path_factory.mktemp("router-e2e"), 2, 2, "--max-num-seqs", "64")
 
 
 @pytest.fixture(scope="session")
