@@ -188,6 +188,33 @@ def test_vllm_flags_up_takes() -> None:
     assert (routed.served_model_name, routed.served_model_aliases) == ("a", ("b",))
 
 
+def test_up_serves_lora_adapters_on_every_node(tmp_path) -> None:
+    """`up --enable-lora --lora-modules a=dir …`: every node serves them (paths absolute, read
+    and checked by the node at start-up), with vLLM's --max-loras / --max-lora-rank."""
+    from common.models.names import resolve_model_path
+    from node_frontend.options import add_node_arguments, options_from_args
+    from tests.lora.adapters import ADAPTERS, write_adapter
+
+    adapter = write_adapter(
+        resolve_model_path("tiny-llama"), tmp_path / "a", 0, **ADAPTERS["alpha"]
+    )
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        config("--lora-modules", f"alpha={adapter}")
+    c = config("--device", "cpu", "--enable-lora", "--lora-modules", f"alpha={adapter}",
+               "--max-loras", "2", "--max-lora-rank", "8")  # fmt: skip
+    argv = c.node_argv()
+    assert argv[argv.index("--lora-modules") + 1] == f"alpha={adapter.resolve()}"
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser, default_port=0)
+    options = options_from_args(parser.parse_args([*argv, "--kv-store", "shm:///x"]), 0, env={})
+    lora = options.engine_config("consumer").lora
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank) == (True, 2, 8)
+    assert list(options.lora_adapters()) == ["alpha"]
+    too_small = [*argv, "--max-lora-rank", "4", "--kv-store", "shm:///x"]
+    with pytest.raises(ValueError, match="rank 8 is over --max-lora-rank 4"):
+        options_from_args(parser.parse_args(too_small), 0, env={})
+
+
 def test_an_unknown_up_flag_prints_ups_usage() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pdserve_cli", "up", "--bogus-flag", "1"],
