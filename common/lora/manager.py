@@ -46,7 +46,10 @@ def model_projections(model: nn.Module) -> ModelProjections:
 
 
 class LoraManager:
-    """Slots of one model runner. ``activate`` → the step's :class:`LoraBatch`."""
+    """Slots of one model runner: ``activate`` puts a step's adapters in slots and gives each
+    row's slot; ``batch`` (eager) and ``graph_batch`` (decode graphs) are what the forward
+    reads. A slot is rewritten in stream order, after the steps already launched that read
+    it (the overlapped loop may schedule the next step while one runs)."""
 
     def __init__(
         self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
