@@ -144,7 +144,7 @@ def measure(args) -> dict:
     base_wall = statistics.median(times["base"][1:])
     for mode in engines:
         wall = statistics.median(times[mode][1:])
-        rows.append(dict(mode=mode, wall_s=round(wall, 4), tok_s=round(tokens / wall, 1),
+        rows.append(dict(mode=mode, decode_s=round(wall, 4), tok_s=round(tokens / wall, 1),
                          vs_base=round(base_wall / wall, 3), steps=steps[mode]))  # fmt: skip
     return dict(model=model, rank=args.rank, adapters=args.adapters, batch=args.batch,
                 prompt_len=args.prompt_len, max_tokens=args.max_tokens, rows=rows)  # fmt: skip
@@ -157,7 +157,7 @@ def plot(report: dict, path: Path) -> None:
     ax.bar([r["mode"] for r in rows], [r["tok_s"] for r in rows], color="#4c72b0")
     for i, r in enumerate(rows):
         ax.text(i, r["tok_s"], f"{r['vs_base']:.2f}×", ha="center", va="bottom")
-    ax.set_ylabel("output tokens / s")
+    ax.set_ylabel("decode tokens / s")
     ax.set_title(f"LoRA on CPU: {Path(report['model']).name}, rank {report['rank']}, "
                  f"batch {report['batch']}")  # fmt: skip
     save_figure(fig, path)
@@ -177,7 +177,9 @@ def main() -> None:
     report = measure(args)
     print(f"{'mode':<12} {'decode s':>8} {'tok/s':>8} {'vs base':>8} {'steps':>6}")
     for r in report["rows"]:
-        print(f"{r['mode']:<12} {r['wall_s']:>8} {r['tok_s']:>8} {r['vs_base']:>8} {r['steps']:>6}")
+        print(
+            f"{r['mode']:<12} {r['decode_s']:>8} {r['tok_s']:>8} {r['vs_base']:>8} {r['steps']:>6}"
+        )
     write_outputs(report, args, plot)
 
 
