@@ -15,9 +15,12 @@ side changes (the projections' weights, or a KV block). The tiny models' random 
 near-flat logits, where any perturbation flips an argmax: their figures are a floor, not what a
 trained model loses.
 
-    python -m benchmarks.fp8_accuracy                         # the three tiny dense models
+    python -m benchmarks.fp8_accuracy                         # the tiny models (dense, MoE)
     python -m benchmarks.fp8_accuracy --kv-cache              # the FP8 KV cache instead
     python -m benchmarks.fp8_accuracy --model /path/to/hf/dir --json out.json
+
+``compare(model, fp8_model=dir)`` takes an FP8 checkpoint of the model as the FP8 side instead
+(block-wise checkpoints, ``tests/engine/test_fp8_weights.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 from benchmarks.report_io import parser, pyplot, save_figure, write_outputs
 from common import LLM, SamplingParams
 
-TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3-moe")
 
 
 def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
@@ -39,23 +42,32 @@ def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:
 
 
 def _projection_bytes(llm: LLM) -> int:
+    """The projections' and MoE experts' weights and scales."""
     model = llm.engine.runner.model
-    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    names = ("qkv_proj.", "o_proj.", "gate_up_proj", "down_proj")
     return sum(
         p.numel() * p.element_size()
         for n, p in model.named_parameters()
-        if any(f"{name}." in n for name in names)
+        if any(name in n for name in names)
     )
 
 
 def compare(
-    model: str, count: int = 16, new_tokens: int = 32, kv_cache: bool = False, **engine: object
+    model: str,
+    count: int = 16,
+    new_tokens: int = 32,
+    kv_cache: bool = False,
+    fp8_model: str | None = None,
+    **engine: object,
 ) -> dict:
-    """One model's row: the reference (as loaded) against ``quantization="fp8"`` (its weights)
-    or, with ``kv_cache``, ``kv_cache_dtype="fp8"``."""
+    """One model's row: the reference (as loaded) against ``quantization="fp8"`` (its weights),
+    with ``kv_cache`` ``kv_cache_dtype="fp8"``, or with ``fp8_model`` that FP8 checkpoint."""
     variant = {"kv_cache_dtype": "fp8"} if kv_cache else {"quantization": "fp8"}
     ref = LLM(model=model, **engine)  # type: ignore[arg-type]
-    fp8 = LLM(model=model, **variant, **engine)  # type: ignore[arg-type]
+    if fp8_model is not None:
+        fp8 = LLM(model=fp8_model, **engine)  # type: ignore[arg-type]
+    else:
+        fp8 = LLM(model=model, **variant, **engine)  # type: ignore[arg-type]
     prompts = _prompts(ref.engine.vocab_size, count, seed=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]

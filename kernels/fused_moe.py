@@ -188,8 +188,9 @@ def fused_moe(
 
 
 def ref_fused_moe(*args: torch.Tensor) -> torch.Tensor:
-    """The plain path (HF-exact on the CPU), ``common.models.moe.fused_experts``, on
-    :func:`fused_moe`'s arguments."""
+    """The CPU's path, ``common.models.moe.fused_experts`` (gathered up to 64 assignments,
+    grouped and HF-exact beyond), on :func:`fused_moe`'s arguments. FP8 experts reach
+    :func:`fused_moe` dequantized to the model dtype (``Experts.dequantized``)."""
     from common.models.moe import fused_experts
 
     return fused_experts(*args)

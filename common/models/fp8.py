@@ -9,6 +9,8 @@ Two ways in:
   ``Fp8Linear`` projections and the loader copies the fp8 bytes as they are (a per-tensor scale
   fills the rows of its shard of a fused projection, ``common/models/loader.py``). Static
   activation scales (``input_scale``) are not used: activations are scaled per token, always;
+  block-wise checkpoints (``weight_block_size``, DeepSeek/Qwen3-FP8 style ``weight_scale_inv``
+  per 128×128 block) load too: see ``common/models/fp8_blocks.py``;
 - ``--quantization fp8`` over a bf16/fp32 checkpoint: it loads as usual, then every projection
   is quantized in place (``quantize_model``): per output channel, ``scale = max|w| / 448``.
 
@@ -21,8 +23,10 @@ rank's slice on its own (no collective, different rounding per TP size); here co
 across TP sizes wins the extra small collective per row-parallel projection. The same
 call runs on the CPU (torch's reference kernel: the CPU proves the GPU's code path, not its
 speed) and on CUDA (FP8 tensor cores on sm_89/sm_90; row-wise scaling needs sm_89+). The
-router, the embeddings, the LM head, the norms and MoE experts stay in the model dtype (vLLM
-keeps the LM head too).
+router, the embeddings, the LM head and the norms stay in the model dtype (vLLM keeps the LM head
+too). MoE experts hold FP8 weights with the same scales per expert and are dequantized to the
+model dtype inside the experts' path (``common/models/moe.py``, :func:`dequantize`): weights
+in FP8, arithmetic in the model dtype.
 """
 
 from __future__ import annotations
@@ -42,23 +46,46 @@ _MIN_SCALE = 1e-12  # an all-zero row or token: any positive scale gives zeros
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
-    """``"fp8"`` for an FP8 checkpoint, None for an unquantized one; ValueError for another
-    method or an FP8 layout not served (block-wise scales)."""
+    """``"fp8"`` for an FP8 checkpoint (per-tensor, per-channel or block-wise scales), None for
+    an unquantized one; ValueError for another method."""
     q = hf_config.get("quantization_config")
     if not q:
         return None
     method = q.get("quant_method")
     if method != "fp8":
         raise ValueError(f"unsupported quantization {method!r}: only fp8 checkpoints load")
-    if q.get("weight_block_size"):
-        raise ValueError("block-wise FP8 scales (weight_block_size) are not supported yet")
+    weight_block(hf_config)  # a malformed block size fails here, in one line
     return "fp8"
 
 
+def weight_block(hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """An FP8 checkpoint's ``weight_block_size`` ``(rows, columns)`` of one scale, or None
+    (per-tensor or per-channel scales)."""
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+    if not block:
+        return None
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"weight_block_size {block!r}: expected two positive ints")
+    return int(block[0]), int(block[1])
+
+
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, in)`` → (e4m3 weights, fp32 scales ``(out, 1)``), per output channel."""
-    scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
+    """``(..., out, in)`` → (e4m3 weights, fp32 scales ``(..., out, 1)``), per output channel
+    (of each expert, for a stacked ``(E, out, in)``)."""
+    scale = (w.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(
+    w8: torch.Tensor, scale: torch.Tensor, block: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """e4m3 ``(..., out, in)`` × its scales → ``dtype``: the product in fp32, rounded once.
+    ``scale (..., out, 1)`` one per row (per-channel; a per-tensor scale fills its rows), or
+    ``(..., out, ⌈in / block⌉)`` one per ``block`` columns of each row (block-wise scales with
+    their rows expanded, ``common/models/fp8_blocks.py``)."""
+    if block is not None and scale.shape[-1] > 1:
+        scale = scale.repeat_interleave(block, dim=-1)[..., : w8.shape[-1]]
+    return (w8.float() * scale).to(dtype)
 
 
 def fp8_matmul(
@@ -86,7 +113,13 @@ def fp8_matmul(
 class Fp8Linear(nn.Module):
     """A projection in FP8: ``weight (out, in)`` e4m3, ``weight_scale (out, 1)`` fp32, the bias
     in the model dtype. ``tp``: a row-parallel projection (its input columns split over the
-    ranks): the partial products are all-reduced, then the bias is added once."""
+    ranks): the partial products are all-reduced, then the bias is added once.
+
+    Block-wise (``block`` set by ``use_block_scales``): ``weight_scale (out, ⌈in / block⌉)``,
+    the checkpoint's 2-D grid with its rows expanded (each row its blocks' scales, so fused
+    shards and row slices need no alignment); forward dequantizes the weight to ``x``'s dtype
+    and runs one ``F.linear`` (W8A16: no activation quantization), on the CPU and on CUDA
+    alike (``common/models/fp8_blocks.py``)."""
 
     KEEP_DTYPE = ("weight", "weight_scale")  # ``materialize`` keeps these dtypes
 
@@ -98,9 +131,21 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8))
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.block: int | None = None
+
+    def use_block_scales(self, block: int) -> None:
+        """Hold one scale per ``block`` input columns of each row (before ``materialize``)."""
+        rows, cols = self.weight.shape
+        self.block = block
+        shape = (rows, -(-cols // block))
+        self.weight_scale = nn.Parameter(self.weight_scale.new_empty(shape), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_matmul(x, self.weight, self.weight_scale, self.tp)
+        if self.block is not None:
+            w = dequantize(self.weight, self.weight_scale, self.block, x.dtype)
+            y = torch.nn.functional.linear(x, w)
+        else:
+            y = fp8_matmul(x, self.weight, self.weight_scale, self.tp)
         if self.tp is not None:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
@@ -134,10 +179,15 @@ def projection(
 
 
 def quantize_model(model: nn.Module) -> int:
-    """Replace every decoder projection of a loaded model by its ``Fp8Linear``; returns how
-    many. Each full-precision weight is released as its layer is done."""
+    """Replace every decoder projection of a loaded model by its ``Fp8Linear`` and quantize
+    MoE experts in place (``quantize_fp8``, per expert and output channel); returns how many
+    projections and expert stacks. Each full-precision weight is released as its layer is
+    done."""
     done = 0
     for module in list(model.modules()):
+        quantize = getattr(module, "quantize_fp8", None)
+        if quantize is not None:
+            done += quantize()
         for name in PROJECTIONS:
             child = getattr(module, name, None)
             if isinstance(child, nn.Module) and not isinstance(child, Fp8Linear):

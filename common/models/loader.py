@@ -11,6 +11,12 @@ MoE experts (``common/models/moe.py``) are stacked ``experts.gate_up_proj (E, 2 
   ``block_sparse_moe.experts.{e}.w1|w3|w2.weight`` (gate, up, down; its router
   ``block_sparse_moe.gate`` is our ``mlp.gate``).
 
+FP8 checkpoints (``common/models/fp8.py``): each projection's ``weight_scale`` (or block-wise
+``weight_scale_inv``, its grid's rows expanded, ``common/models/fp8_blocks.py``) goes beside
+its weight; experts' scales stack like their weights: per expert
+``experts.{e}.w1.weight_scale``, stacked ``experts.gate_up_proj_scale(_inv)``, per tensor, per
+output channel or per block.
+
 Under tensor parallelism each rank reads only its slices (safetensors ``get_slice``): q/k/v rows
 of its heads (a KV head shared by several ranks is read by each), gate/up rows and down_proj
 columns of its intermediate range, o_proj columns of its heads, embedding and LM head rows of
@@ -34,7 +40,8 @@ from torch import nn
 from tqdm import tqdm
 
 from common.attention import AttentionBackend
-from common.models.fp8 import FP8, quantize_model
+from common.models.fp8 import FP8, quantize_model, weight_block
+from common.models.fp8_blocks import fit_scale, use_block_scales
 from common.models.llama import LlamaArgs, LlamaForCausalLM, local_heads
 from common.models.preflight import check_tensor_parallel
 from common.parallel.group import TensorParallel, check_divisible
@@ -124,8 +131,13 @@ def build_model(
     check_tensor_parallel(hf_config, tp.size if tp is not None else 1, expert_parallel)
     if tp is not None:
         check_divisible(tp.size, args.num_heads, args.num_kv_heads, args.intermediate_size)
+    block = weight_block(hf_config)
+    if block is not None and tp is not None and tp.size > 1:
+        raise ValueError("block-wise FP8 scales under tensor parallelism are not supported yet")
     start = time.perf_counter()
     model = build_on_meta(args, backend, max_positions, tp, expert_parallel)
+    if block is not None:
+        use_block_scales(model, block[1])
     materialize(model, dtype, device)
     if load_format == "dummy":
         _fill_dummy(model, seed)
@@ -133,7 +145,7 @@ def build_model(
         experts = range(args.moe.num_experts if args.moe is not None else 0)
         if tp is not None and expert_parallel:
             experts = range(*tp.split(len(experts)))
-        _load_safetensors(model, model_dir, args, tp, experts)
+        _load_safetensors(model, model_dir, args, tp, experts, block)
     if quantization == "fp8" and not args.fp8:
         quantize_model(model)
     model.eval()
@@ -201,10 +213,11 @@ def _load_safetensors(
     args: LlamaArgs,
     tp: TensorParallel | None,
     experts: range,
+    block: tuple[int, int] | None = None,
 ) -> None:
     """``experts``: the MoE experts this rank holds, whole (all of them but under expert
     parallelism); a stacked expert tensor is read in that range, a per-expert one only when
-    its expert is in it."""
+    its expert is in it. ``block``: an FP8 checkpoint's ``weight_block_size``."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     files = _checkpoint_files(model_dir)
@@ -219,11 +232,10 @@ def _load_safetensors(
                 if ".experts." in target.name:
                     if target.expert is not None and target.expert not in experts:
                         continue  # another rank's expert
-                    tensor = f.get_slice(hf_name)
                     tensor = (
-                        tensor[:]
+                        f.get_tensor(hf_name)
                         if target.expert is not None
-                        else tensor[experts.start : experts.stop]
+                        else f.get_slice(hf_name)[experts.start : experts.stop]
                     )
                     target = target._replace(
                         expert=None if target.expert is None else target.expert - experts.start
@@ -232,7 +244,7 @@ def _load_safetensors(
                     tensor = f.get_tensor(hf_name)
                 else:
                     tensor = _read_shard(f, hf_name, target.name, target.shard, args, tp)
-                _copy_into(params[target.name], tensor, target, args, tp)
+                _copy_into(params[target.name], tensor, target, args, tp, block)
                 loaded.add(target.key)
     _check_complete(params, loaded, args, len(experts))
 
@@ -264,9 +276,11 @@ def _kv_scale(model: LlamaForCausalLM, hf_name: str, f: Any) -> bool:
 
 def _map_name(hf_name: str, args: LlamaArgs) -> Target | None:
     """HF tensor name → where it goes (None: not a weight of ours)."""
-    if "rotary_emb" in hf_name or hf_name.endswith(".input_scale"):
+    if "rotary_emb" in hf_name or hf_name.endswith((".input_scale", "_activation_scale")):
         return None  # (FP8: activations are scaled per token, never by a static scale)
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+    if name.endswith("_scale_inv"):  # block-wise checkpoints' name: the multiplier too
+        name = name.removesuffix("_inv")
     if name == "lm_head.weight" and args.tie_word_embeddings:
         return None
     parts = name.split(".")
@@ -280,11 +294,14 @@ def _map_name(hf_name: str, args: LlamaArgs) -> Target | None:
 
 
 def _map_expert(parts: list[str]) -> Target:
-    """``….experts.gate_up_proj`` (stacked) or ``….experts.{e}.{proj}.weight`` (one expert)."""
+    """``….experts.gate_up_proj(_scale)`` (stacked) or ``….experts.{e}.{proj}.weight(_scale)``
+    (one expert)."""
     i = parts.index("experts")
     if not parts[i + 1].isdigit():
         return Target(".".join(parts))
     stacked, shard = _EXPERT[parts[i + 2]]
+    if parts[-1] == "weight_scale":
+        stacked += "_scale"
     return Target(".".join([*parts[: i + 1], stacked]), shard, int(parts[i + 1]))
 
 
@@ -327,25 +344,21 @@ def _copy_into(
     target: Target,
     a: LlamaArgs,
     tp: TensorParallel | None = None,
+    block: tuple[int, int] | None = None,
 ) -> None:
     dst = param.data if target.expert is None else param.data[target.expert]
-    if dst.dtype == FP8 and target.expert is not None:
-        raise ValueError("FP8 MoE experts are not supported yet")
     shard = target.shard
     if shard is not None:
         heads, kv_heads = local_heads(a, tp)
         q, kv = heads * a.head_dim, kv_heads * a.head_dim
         inter = a.intermediate_size // (tp.size if tp is not None else 1)
-        if target.expert is not None and a.moe is not None:
+        if ".experts." in target.name and a.moe is not None:
             inter = a.moe.intermediate_size
         sizes = [q, kv, kv] if "qkv_proj" in target.name else [inter, inter]
         begin = sum(sizes[:shard])
         dst = dst[begin : begin + sizes[shard]]
-    if target.name.endswith(".weight_scale") and tensor.numel() == 1:
-        dst.fill_(tensor.item())  # a per-tensor scale: every row of its shard
-        return
-    if target.name.endswith(".weight_scale"):
-        tensor = tensor.reshape(-1, 1)  # per channel: (out,) or (out, 1)
+    if target.name.endswith("_scale"):
+        tensor = fit_scale(tensor, dst, block)
     if dst.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} for {tuple(dst.shape)}")
     if dst.dtype == FP8 and tensor.dtype != FP8:
@@ -372,7 +385,7 @@ def _pieces(name: str, num_experts: int) -> list[str]:
     """The keys that, all loaded, fill parameter ``name`` piece by piece (none: only whole)."""
     experts = range(num_experts) if ".experts." in name else None
     if experts is not None:
-        shards = (0, 1) if name.endswith("gate_up_proj") else (None,)
+        shards = (0, 1) if "gate_up_proj" in name else (None,)
         return [Target(name, s, e).key for e in experts for s in shards]
     if "qkv_proj" in name or "gate_up_proj" in name:
         return [Target(name, s).key for s in range(3 if "qkv_proj" in name else 2)]

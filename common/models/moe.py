@@ -9,22 +9,49 @@ they are applied (transformers 5.24, ``MixtralTopKRouter`` / ``Qwen3MoeTopKRoute
     Qwen3-MoE  softmax(fp32) → top-k → divide by their sum only if ``norm_topk_prob``;
                weights cast to the model dtype
 
-The experts' part, ``fused_experts``, is one function of plain tensors so that a fused kernel
-can replace it (issue 30 item 2). Its plain-PyTorch form follows transformers' default
-``grouped_mm`` experts path, op for op where it rounds:
+The experts' part, ``fused_experts`` (``common/models/moe_experts.py``), is one function of
+plain tensors; on the CPU it takes one
+of two paths by the number of (token, expert) assignments ``T k``:
 
-    flat top-k ids (T k,) ── stable argsort ──▶ assignments grouped by expert
-    rows = x[token of each assignment]                      (T k, H)
-    per expert e with n_e > 0 rows: silu_and_mul(rows_e @ gate_up[e]ᵀ) @ down[e]ᵀ
-    back to (token, slot) order                               (T, k, H)
-    × routing weight (fp32 product for Mixtral), sum over the k slots, cast   (T, H)
+- **gathered** (``T k ≤ GATHER_MAX_ASSIGNMENTS`` = 64: decode steps, short prefills): each
+  assignment's expert weights are gathered, ``gate_up[ids] (T, k, 2 I, H)``, and the experts
+  run as batched matmuls:
 
-so greedy decoding matches HF token for token (the CPU's path). The loop is over experts,
-never tokens; the per-expert row counts are read on the host once per layer. On CUDA the
-experts run as ``kernels/fused_moe.py``'s two Triton launches instead, the counts kept on the
-device, so a MoE decode step can be captured in a CUDA graph. Under expert parallelism the
-kernel (CUDA) or the plain path (CPU) runs over a rank's experts only (``SparseMoe``'s
-``ep``).
+      h   = einsum(gate_up[ids], x)                        (T, k, 2 I)
+      act = silu_and_mul(h)                                (T k, I)
+      out = einsum(down[ids], act, weights)                (T, H): Σ_j w_j · down[e_j] act_j
+
+  a fixed op count whatever the experts hit (12 for Mixtral and Qwen3-MoE with
+  ``norm_topk_prob``, 10 without, router included: ``tests/engine/test_step_ops.py``) and no
+  host read. It copies ``T k`` experts' weights, which is why it stops at 64 assignments. Its
+  GEMMs are batched matrix-vector products, not HF's grouped GEMMs: results agree with the
+  grouped path to fp32 reassociation (greedy output still equals HF's on the tiny and hold-out
+  models, ``tests/engine/test_moe_models.py``);
+- **grouped** (larger ``T k``: prefill), transformers' default ``grouped_mm`` experts path,
+  op for op where it rounds:
+
+      flat top-k ids (T k,) ── stable argsort ──▶ assignments grouped by expert
+      rows = x[token of each assignment]                      (T k, H)
+      per expert e with n_e > 0 rows: silu_and_mul(rows_e @ gate_up[e]ᵀ) @ down[e]ᵀ
+      back to (token, slot) order                               (T, k, H)
+      × routing weight (fp32 product for Mixtral), sum over the k slots, cast   (T, H)
+
+  bit-equal to HF's block in fp32 and bf16; the loop is over experts, never tokens, and the
+  per-expert row counts are read on the host once per layer (20 ops + 5 per expert hit).
+
+On CUDA the experts run as ``kernels/fused_moe.py``'s two Triton launches instead, the counts
+kept on the device, so a MoE decode step can be captured in a CUDA graph. Under expert
+parallelism the kernel (CUDA) or the CPU path one device would take (``gathered_slots`` /
+``expert_slots``) runs over a rank's experts only (``SparseMoe``'s ``ep``): the ranks' summed
+slots are one device's, bit for bit.
+
+FP8 experts (an FP8 checkpoint, or ``--quantization fp8``): ``gate_up_proj``/``down_proj`` in
+e4m3 with ``gate_up_proj_scale (E, 2 I, n)``/``down_proj_scale (E, H, n)`` fp32, ``n = 1``
+(per-channel; a per-tensor scale fills its rows) or one per block of columns (block-wise,
+``common/models/fp8_blocks.py``). Both CPU paths dequantize only the experts they use (the
+gathered weights, or each hit expert) to the model dtype, then compute as above; on CUDA the
+rank's experts are dequantized before the kernel (correctness first: it holds one layer's
+experts in the model dtype for the call).
 """
 
 from __future__ import annotations
@@ -34,16 +61,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from common.models.fp8 import FP8, checkpoint_quantization, dequantize, quantize_rows
+from common.models.moe_experts import (
+    GATHER_MAX_ASSIGNMENTS,
+    Fp8Scales,
+    combine_gathered,
+    combine_slots,
+    expert_slots,
+    fused_experts,
+    gathered_slots,
+)
 from common.models.preflight import MOE_ARCHITECTURES
-from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
 
 if TYPE_CHECKING:
     from common.parallel.group import TensorParallel
-
-_ops = torch.ops.pdserve
 
 
 @dataclass(frozen=True)
@@ -56,6 +89,7 @@ class MoeArgs:
     renormalize: bool  # the top-k weights divided by their sum
     fp32_weights: bool  # True: the weights multiply in fp32 (Mixtral); False: in the model dtype
     sparse_layers: frozenset[int]  # the layers with experts; the others have the dense MLP
+    fp8: bool = False  # an FP8 checkpoint: the experts' weights are e4m3 with fp32 scales
 
     @staticmethod
     def from_hf(cfg: dict[str, Any], arch: str) -> MoeArgs | None:
@@ -72,6 +106,7 @@ class MoeArgs:
                 renormalize=True,
                 fp32_weights=True,
                 sparse_layers=frozenset(layers),
+                fp8=checkpoint_quantization(cfg) == "fp8",
             )
         dense = set(cfg.get("mlp_only_layers") or ())
         step = cfg.get("decoder_sparse_step", 1)
@@ -83,6 +118,7 @@ class MoeArgs:
             renormalize=bool(cfg.get("norm_topk_prob", False)),
             fp32_weights=False,
             sparse_layers=frozenset(sparse),
+            fp8=checkpoint_quantization(cfg) == "fp8",
         )
 
 
@@ -96,72 +132,6 @@ def route(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights if weights_dtype == torch.float32 else weights.to(weights_dtype)), ids
-
-
-def fused_experts(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    """``Σ_j w[t, j] · down[e] silu_and_mul(gate_up[e] x[t])`` over the ``k`` experts
-    ``e = topk_ids[t, j]`` of each token; ``(T, H)`` in ``x``'s dtype.
-
-    Shapes: ``x (T, H)``, ``gate_up (E, 2 I, H)`` (gate rows, then up rows), ``down (E, H, I)``,
-    ``topk_weights (T, k)`` (fp32 or the model dtype: the product is taken in the wider one,
-    summed over the k slots, then cast), ``topk_ids (T, k)`` int64. Mutates no input.
-    """
-    slots = expert_slots(x, gate_up, down, topk_ids, 0, gate_up.shape[0])
-    return combine_slots(slots, topk_weights, x.dtype)
-
-
-def expert_slots(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_ids: torch.Tensor,
-    first: int,
-    num_experts: int,
-) -> torch.Tensor:
-    """Each (token, slot)'s expert output ``(T, k, H)``, for the slots whose expert is one of
-    ``gate_up``/``down``'s (global ids ``first, first + 1, …``); the other slots are zero (an
-    expert-parallel rank's share: the ranks' shares add up exactly, each slot being nonzero on
-    one rank only). ``num_experts``: the model's, for the routing ids."""
-    num_tokens, k = topk_ids.shape
-    flat_ids = topk_ids.flatten()  # (T k,) assignment t k + j
-    order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # host read
-    local = counts[first : first + gate_up.shape[0]]
-    begin, num_mine = sum(counts[:first]), sum(local)
-    whole = num_mine == num_tokens * k
-    # this rank's assignments, grouped by expert (all of them on one device)
-    mine = order if whole else order[begin : begin + num_mine]
-    slots = (
-        x.new_empty(num_tokens * k, x.shape[1])
-        if whole
-        else x.new_zeros(num_tokens * k, x.shape[1])
-    )
-    if num_mine:
-        groups = x[mine // k].split(local)  # (n_e, H) each
-        out = torch.cat(
-            [_expert_mlp(g, gate_up[e], down[e]) for e, g in enumerate(groups) if local[e]]
-        )  # (n, H), still grouped by expert
-        slots.index_copy_(0, mine, out)
-    return slots.view(num_tokens, k, -1)
-
-
-def combine_slots(
-    slots: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """The routing-weighted sum over the k slots ``(T, k, H) → (T, H)``, cast to ``dtype``."""
-    summed = (slots * topk_weights.unsqueeze(-1)).sum(dim=1)  # (T, H)
-    return summed if summed.dtype == dtype else summed.to(dtype)
-
-
-def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert's SwiGLU MLP over its rows ``(n, H) → (n, H)``."""
-    return F.linear(_ops.silu_and_mul(F.linear(x, gate_up)), down)
 
 
 class SparseMoe(nn.Module):
@@ -195,17 +165,67 @@ class SparseMoe(nn.Module):
         if x.is_cuda:  # the fused kernel over this rank's experts, summed across the ranks
             return self.experts(x, weights, ids, self.first, self.ep.all_reduce)
         slots = self.experts.slots(x, ids, self.first, self.num_experts)
+        if ids.numel() <= GATHER_MAX_ASSIGNMENTS:  # the one-device path's rounding, split
+            return combine_gathered(self.ep.all_reduce(slots), weights, x.dtype)
         return combine_slots(self.ep.all_reduce(slots), weights, x.dtype)
 
 
 class Experts(nn.Module):
-    """The stacked expert weights; ``forward`` is ``fused_experts`` over them."""
+    """The stacked expert weights; ``forward`` is ``fused_experts`` over them.
+
+    FP8 (``args.fp8``, or ``quantize_fp8`` after loading): ``gate_up_proj``/``down_proj`` e4m3
+    and ``gate_up_proj_scale (n, 2 I, 1)``/``down_proj_scale (n, H, 1)`` fp32, one scale per
+    expert and output row; ``use_block_scales`` makes them one per ``block`` columns of each
+    row (block-wise checkpoints)."""
 
     def __init__(self, args: MoeArgs, hidden_size: int, num_local: int) -> None:
         super().__init__()
         inter = args.intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_local, hidden_size, inter))
+        dtype = FP8 if args.fp8 else None
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_local, 2 * inter, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_local, hidden_size, inter, dtype=dtype), requires_grad=False
+        )
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
+        self.block: int | None = None
+        if args.fp8:
+            self.gate_up_proj_scale = nn.Parameter(torch.empty(num_local, 2 * inter, 1))
+            self.down_proj_scale = nn.Parameter(torch.empty(num_local, hidden_size, 1))
+            self.KEEP_DTYPE = ("gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale")
+
+    def use_block_scales(self, block: int) -> None:
+        """One scale per ``block`` input columns of each row (before ``materialize``)."""
+        self.block = block
+        for name, weight in (("gate_up_proj_scale", self.gate_up_proj),
+                             ("down_proj_scale", self.down_proj)):  # fmt: skip
+            shape = (*weight.shape[:2], -(-weight.shape[2] // block))
+            setattr(self, name, nn.Parameter(torch.empty(shape, device=weight.device)))
+
+    @property
+    def scales(self) -> Fp8Scales | None:
+        """The FP8 scales, None for weights in the model dtype."""
+        if self.gate_up_proj_scale is None or self.down_proj_scale is None:
+            return None
+        return Fp8Scales(self.gate_up_proj_scale, self.down_proj_scale, self.block)
+
+    def quantize_fp8(self) -> int:
+        """``--quantization fp8``: the loaded weights to e4m3 in place, one scale per expert and
+        output row (a per-channel FP8 checkpoint's bytes), one expert at a time; 1 (done) or 0
+        (already FP8)."""
+        if self.scales is not None:
+            return 0
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name).data
+            w8 = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+            scale = torch.empty(*weight.shape[:2], 1, device=weight.device)
+            for e in range(weight.shape[0]):
+                w8[e], scale[e] = quantize_rows(weight[e])
+            setattr(self, name, nn.Parameter(w8, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        return 1
 
     def forward(
         self,
@@ -217,20 +237,36 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """The experts' weighted sum. On CUDA ``kernels/fused_moe.py`` (nothing read on the
         host: capturable), where ``first``/``all_reduce`` make it an expert-parallel rank's
-        share summed across the group; on the CPU the plain, HF-exact path (one device)."""
+        share summed across the group; on the CPU ``fused_experts`` (one device)."""
         if x.is_cuda:
             from kernels.fused_moe import fused_moe
 
+            gate_up, down = self.dequantized(x.dtype)
             return fused_moe(
-                x.contiguous(), self.gate_up_proj, self.down_proj, weights, ids,
+                x.contiguous(), gate_up, down, weights, ids,
                 first_expert=first, all_reduce=all_reduce,
             )  # fmt: skip
         assert all_reduce is None, "expert parallelism on the CPU goes through slots()"
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.scales)
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up, down)`` in ``dtype``: the parameters themselves, or for FP8 experts all of
+        this rank's experts dequantized (the CUDA kernel's input: a copy for the call)."""
+        scales = self.scales
+        if scales is None:
+            return self.gate_up_proj, self.down_proj
+        return (
+            dequantize(self.gate_up_proj, scales.gate_up, scales.block, dtype),
+            dequantize(self.down_proj, scales.down, scales.block, dtype),
+        )
 
     def slots(
         self, x: torch.Tensor, ids: torch.Tensor, first: int, num_experts: int
     ) -> torch.Tensor:
-        """``expert_slots`` of this rank's experts (global ids from ``first``); the CPU's
-        expert-parallel path (it reads the expert counts on the host)."""
-        return expert_slots(x, self.gate_up_proj, self.down_proj, ids, first, num_experts)
+        """This rank's experts' slots (global ids from ``first``), the CPU's expert-parallel
+        path: ``gathered_slots`` up to ``GATHER_MAX_ASSIGNMENTS`` assignments (as one device
+        computes them), else ``expert_slots`` (it reads the expert counts on the host)."""
+        args = (x, self.gate_up_proj, self.down_proj, ids)
+        if ids.numel() <= GATHER_MAX_ASSIGNMENTS:
+            return gathered_slots(*args, first, self.scales)
+        return expert_slots(*args, first, num_experts, self.scales)

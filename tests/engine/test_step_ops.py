@@ -34,6 +34,9 @@ class OpCounter(TorchDispatchMode):
         self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
+    def total(self) -> int:
+        return sum(self.ops.values())
+
 
 def model_with_layers(tmp_path: Path, num_layers: int, model: str = "tiny-llama") -> str:
     tiny = resolve_model_path(model)
@@ -115,3 +118,43 @@ def test_tp1_is_the_single_device_step(tmp_path):
     assert explicit == default
     assert not any(op.startswith("c10d") for op in explicit), dict(explicit)
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("model", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_moe_sparse_mlp_ops_per_decode_step(tmp_path, model):
+    """A MoE layer's sparse MLP (router to weighted sum, ``common/models/moe.py``'s gathered
+    path: BATCH tokens × top 2 assignments) dispatches at most MAX_OPS_PER_LAYER ops in a
+    decode step, whatever experts the tokens hit, and none reads the device on the host.
+    Counted inside each ``SparseMoe.forward`` of the step; measured 12 for both (router,
+    softmax, top-k, sum, div, two gathers, two einsums, silu_and_mul, two views; it was 20 +
+    5 per expert hit). The layer's other ops are the dense layer's outside its MLP (7, and 15
+    with Qwen3's q/k norms): the per-layer difference of a 6- and a 2-layer model is their
+    sum (19 and 27)."""
+    from common.models.moe import SparseMoe
+
+    def run(path: str) -> tuple[Counter[str], list[int]]:
+        llm = LLM(model=path, load_format="dummy")
+        engine, inside = llm.engine, []
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for i in range(BATCH):
+            engine.add_request(str(i), [3 + i, 4, 5, 6 + i], params)
+        engine.step()
+        engine.step()
+        with OpCounter() as counter:
+            for moe in engine.runner.model.modules():
+                if isinstance(moe, SparseMoe):
+                    moe.register_forward_pre_hook(lambda *_: inside.append(-counter.total()))
+                    moe.register_forward_hook(lambda *_: inside.append(counter.total()))
+            engine.step()
+        sums = [a + b for a, b in zip(inside[::2], inside[1::2], strict=True)]
+        return counter.ops, sums
+
+    ops, mlp = {}, {}
+    for n in (2, 6):
+        ops[n], mlp[n] = run(model_with_layers(tmp_path, n, model))
+    diff = per_layer(ops)
+    assert len(mlp[6]) == 6 and len(set(mlp[6])) == 1, mlp  # every sparse layer alike
+    assert mlp[6][0] <= MAX_OPS_PER_LAYER, f"{mlp[6][0]} ops in the sparse MLP"
+    dense_part = 7 if model == "tiny-mixtral" else 15
+    assert sum(diff.values()) == 4 * (dense_part + mlp[6][0]), dict(diff)
+    assert not any(diff[op] for op in (*SYNC_OPS, "aten.bincount")), dict(diff)

@@ -118,3 +118,27 @@ def test_expert_parallel_shares_sum_to_the_whole(device):
         got = fused_moe(x, gate_up[first : first + 3], down[first : first + 3], weights, ids,
                         first_expert=first, all_reduce=lambda routed: total)  # fmt: skip
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fp8_experts_reach_the_kernel_dequantized(device):
+    """FP8 experts on CUDA: the rank's experts dequantized to the model dtype
+    (``Experts.dequantized``), then the same kernel; it agrees with the CPU path over the FP8
+    weights and their per-channel scales."""
+    from common.models.fp8 import quantize_rows
+    from common.models.moe import Experts, Fp8Scales, MoeArgs, fused_experts
+
+    x, gate_up, down, weights, ids = _case(9, 6, 3, 32, 48, torch.float32, True)
+    args = MoeArgs(6, 3, 48, True, True, frozenset({0}), fp8=True)
+    experts = Experts(args, 32, 6)
+    (gate_up8, gate_up_scale), (down8, down_scale) = quantize_rows(gate_up), quantize_rows(down)
+    for name, value in (
+        ("gate_up_proj", gate_up8),
+        ("down_proj", down8),
+        ("gate_up_proj_scale", gate_up_scale),
+        ("down_proj_scale", down_scale),
+    ):
+        getattr(experts, name).data = value
+    want = fused_experts(x, gate_up8, down8, weights, ids, Fp8Scales(gate_up_scale, down_scale))
+    dense = experts.dequantized(torch.float32)
+    got = fused_moe(*(a.to(device) for a in (x, *dense, weights, ids))).cpu()
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
