@@ -4,8 +4,10 @@ Times one call of each ``torch.ops.pdserve.*`` op (dispatch, argument checks, on
 and of the ``ref_*`` it replaces (HF's op sequence, several dispatched ops) at decode sizes: a
 few rows of tiny models' widths and of Llama-3.2-1B's (hidden 2048, MLP 8192, 32 q / 8 kv heads
 of 64); decode attention over a short context (CONTEXT tokens per row), where the fixed cost of
-a call shows. Each op is checked against its ref before it is timed: a fast wrong answer is no
-result (exact where the op is bit-exact, else within ATTENTION_TOLERANCE).
+a call shows; a MoE MLP's decode step (``moe_decode``: MOE_EXPERTS experts, top MOE_TOP_K, each
+of a quarter of the dense MLP's width) against the PyTorch path it replaces. Each op is checked
+against its ref before it is timed: a fast wrong answer is no result (exact where the op is
+bit-exact, else within TOLERANCE).
 
     python -m benchmarks.fused_ops_cpu
     python -m benchmarks.fused_ops_cpu --rows 1 16 64 --dtype bfloat16 --threads 2
@@ -23,6 +25,7 @@ import torch
 import kernels  # registers torch.ops.pdserve.*
 from kernels import native
 from kernels.activation import ref_silu_and_mul
+from kernels.moe_cpu import ref_moe_decode
 from kernels.paged_decode_attention import ref_paged_decode_attention
 from kernels.rms_norm import ref_fused_add_rms_norm, ref_rms_norm
 from kernels.rotary import ref_rotary_embedding_and_cache, rope_cos_sin_cache
@@ -31,8 +34,9 @@ from kernels.rotary import ref_rotary_embedding_and_cache, rope_cos_sin_cache
 MODELS = {128: (512, 4, 2, 32), 256: (1024, 4, 2, 64), 2048: (8192, 32, 8, 64)}
 EPS = 1e-5
 CONTEXT, BLOCK_SIZE = 64, 16  # decode attention: tokens per row, tokens per cache block
-# decode attention sums in another order than its ref: held to these (atol and rtol)
-ATTENTION_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# decode attention and moe_decode sum in another order than their refs: held to these (atol, rtol)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 
 
 def _us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 7) -> float:
@@ -54,7 +58,7 @@ class Case(NamedTuple):
     fused: Callable[[], object]
     ref: Callable[[], object]
     mutated: torch.Tensor | None = None  # an input both write (the same values)
-    exact: bool = True  # bit-exact with the ref, else within ATTENTION_TOLERANCE
+    exact: bool = True  # bit-exact with the ref, else within TOLERANCE
 
 
 def _cases(rows: int, hidden: int, dtype: torch.dtype) -> dict[str, Case]:
@@ -78,6 +82,13 @@ def _cases(rows: int, hidden: int, dtype: torch.dtype) -> dict[str, Case]:
     seq_lens = torch.full((rows,), CONTEXT, dtype=torch.int32)
     starts = torch.arange(rows + 1, dtype=torch.int32)
     scale = head_dim**-0.5
+    expert_inter = intermediate // 4
+    moe = (
+        x, torch.randn(MOE_EXPERTS, hidden).to(dtype) * 0.3,
+        (torch.randn(MOE_EXPERTS, 2 * expert_inter, hidden) * hidden**-0.5).to(dtype),
+        (torch.randn(MOE_EXPERTS, hidden, expert_inter) * expert_inter**-0.5).to(dtype),
+        MOE_TOP_K, True, True,
+    )  # fmt: skip
     return {
         "rms_norm": Case(
             lambda: ops.rms_norm(x, weight, EPS),
@@ -103,6 +114,7 @@ def _cases(rows: int, hidden: int, dtype: torch.dtype) -> dict[str, Case]:
             lambda: ref_paged_decode_attention(query, kv_layer, tables, seq_lens, scale),
             exact=False,
         ),
+        "moe_decode": Case(lambda: ops.moe_decode(*moe), lambda: ref_moe_decode(*moe), exact=False),
     }
 
 
@@ -111,7 +123,7 @@ def _same(a: object, b: object, exact: bool) -> bool:
         return all(_same(x, y, exact) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
     if exact:
         return torch.equal(a, b)  # type: ignore[arg-type]
-    tol = ATTENTION_TOLERANCE[a.dtype]  # type: ignore[union-attr]
+    tol = TOLERANCE[a.dtype]  # type: ignore[union-attr]
     return torch.allclose(a, b, rtol=tol, atol=tol)  # type: ignore[arg-type]
 
 

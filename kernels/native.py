@@ -1,10 +1,9 @@
 """The native CPU kernels: the C sources of ``csrc/`` built on first use into one library.
 
 ``paged_attention_cpu.c`` (decode attention over the paged cache), ``fused_ops_cpu.c``
-(RMSNorm, SiLU-and-mul, RoPE + cache write) and ``sampler_cpu.c`` (token sampling); the first
-two share the element types of ``bf16.h`` (float32, bfloat16, and float8_e4m3fn for the KV
-cache). They are
-compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the host CPU,
+(RMSNorm, SiLU-and-mul, RoPE + cache write), ``sampler_cpu.c`` (token sampling) and
+``moe_cpu.c`` (a MoE MLP's decode step); all but the sampler share the element types of
+``bf16.h`` (float32, bfloat16, and float8_e4m3fn for the KV cache). They are compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for the host CPU,
 each with its own flags, and linked into one shared library in ``<cache root>/kernels/<key>/``
 (``common.native_build``: built once, published atomically, safe from several processes at once).
 Building takes about two seconds; the key hashes the sources and headers, the flags, the
@@ -48,6 +47,8 @@ SOURCES = (
     ),
     # the sampler: libm's expf/logf and sums in index order (no -ffast-math)
     Source(_CSRC / "sampler_cpu.c", (*_COMMON_FLAGS, "-ffp-contract=off")),
+    # a MoE MLP's decode step: its dot products vectorised (agrees to reassociation)
+    Source(_CSRC / "moe_cpu.c", (*_COMMON_FLAGS, "-ffast-math")),
 )
 # What the sources `#include "..."`: found through `-I csrc`, hashed into the cache key.
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))
@@ -73,6 +74,7 @@ _PROTOTYPES = {
     + [_I64] * 5
     + [_INT] * 3,
     "pdserve_sample_tokens": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    "pdserve_moe_decode": [_PTR] * 5 + [_I64] * 4 + [_INT] * 5,
     # float8_e4m3fn <-> float32 over n elements, as the kernels convert (for the tests)
     "pdserve_f32_to_e4m3": [_PTR, _PTR, _I64],
     "pdserve_e4m3_to_f32": [_PTR, _PTR, _I64],

@@ -9,6 +9,8 @@ call that runs one kernel: a Triton launch on CUDA, one native call on the CPU (
 - ``rotary_embedding_and_cache`` (mutates ``kv_cache_layer``): ``kernels/rotary.py``
 - ``paged_decode_attention_cpu`` (CPU only): ``kernels/cpu_attention.py``
 - ``sample_tokens`` (mutates ``counts``; two Triton launches on CUDA): ``kernels/sampler.py``
+- ``moe_decode`` (CPU only: a MoE MLP's decode step; CUDA runs ``kernels/fused_moe.py``):
+  ``kernels/moe_cpu.py``
 
 Each module's ``<op>`` is the CUDA impl (Triton), ``<op>_cpu`` the CPU one (native), and its
 docstrings hold the contract (shapes, dtypes, what is mutated). The ops are registered with
@@ -27,6 +29,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.activation import silu_and_mul, silu_and_mul_cpu
+from kernels.moe_cpu import moe_decode_cpu
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_cpu, rms_norm, rms_norm_cpu
 from kernels.rotary import rotary_embedding_and_cache, rotary_embedding_and_cache_cpu
 from kernels.sampler import sample_tokens, sample_tokens_cpu
@@ -48,6 +51,10 @@ SCHEMAS = {
         "Tensor seq_lens, Tensor query_start_loc, int max_seq_len, float scale) -> Tensor"
     ),
     "sample_tokens": "sample_tokens(Tensor logits, Tensor params, Tensor(a!) counts) -> Tensor",
+    "moe_decode": (
+        "moe_decode(Tensor x, Tensor router, Tensor gate_up, Tensor down, int top_k, "
+        "bool renormalize, bool fp32_weights) -> Tensor"
+    ),
 }
 
 
@@ -59,6 +66,7 @@ _IMPLS = {  # op -> (CPU, CUDA)
     # out=None: a new output, the rows of sequences whose query length is not 1 unwritten
     "paged_decode_attention_cpu": (cpu_attention.paged_decode_attention, None),
     "sample_tokens": (sample_tokens_cpu, sample_tokens),
+    "moe_decode": (moe_decode_cpu, None),
 }
 
 
@@ -78,6 +86,7 @@ _FAKES: dict[str, Callable[..., Any]] = {  # the output shapes, for meta tensors
     ),
     "paged_decode_attention_cpu": lambda query, *_: torch.empty_like(query),
     "sample_tokens": lambda logits, *_: logits.new_empty(logits.shape[0], dtype=torch.int64),
+    "moe_decode": lambda x, router, gate_up, down, *_: _rows_like(x, gate_up.shape[2]),
 }
 
 

@@ -9,9 +9,15 @@ they are applied (transformers 5.24, ``MixtralTopKRouter`` / ``Qwen3MoeTopKRoute
     Qwen3-MoE  softmax(fp32) → top-k → divide by their sum only if ``norm_topk_prob``;
                weights cast to the model dtype
 
-The experts' part, ``fused_experts`` (``common/models/moe_experts.py``), is one function of
-plain tensors; on the CPU it takes one
-of two paths by the number of (token, expert) assignments ``T k``:
+On the CPU, a decode-sized step (``T k ≤ GATHER_MAX_ASSIGNMENTS`` = 64 (token, expert)
+assignments) on one device with experts in the model dtype runs the whole sparse MLP, router to
+weighted sum, as **one native call** (``torch.ops.pdserve.moe_decode``, ``kernels/moe_cpu.py``):
+the gathered path below, at its rounding points, summed in the kernel's order. A MoE layer's
+decode step is then 8 ops, as a dense layer's 10 (``tests/engine/test_step_ops.py``).
+
+Otherwise the router and routing run in PyTorch and the experts' part, ``fused_experts``
+(``common/models/moe_experts.py``, one function of plain tensors), takes one of two paths by
+``T k``:
 
 - **gathered** (``T k ≤ GATHER_MAX_ASSIGNMENTS`` = 64: decode steps, short prefills): each
   assignment's expert weights are gathered, ``gate_up[ids] (T, k, 2 I, H)``, and the experts
@@ -22,8 +28,8 @@ of two paths by the number of (token, expert) assignments ``T k``:
       out = einsum(down[ids], act, weights)                (T, H): Σ_j w_j · down[e_j] act_j
 
   a fixed op count whatever the experts hit (12 for Mixtral and Qwen3-MoE with
-  ``norm_topk_prob``, 10 without, router included: ``tests/engine/test_step_ops.py``) and no
-  host read. It copies ``T k`` experts' weights, which is why it stops at 64 assignments. Its
+  ``norm_topk_prob``, 10 without, router included: ``tests/engine/test_moe_models.py``) and no
+  host read; FP8 experts and expert-parallel ranks take it at decode sizes. It copies ``T k`` experts' weights, which is why it stops at 64 assignments. Its
   GEMMs are batched matrix-vector products, not HF's grouped GEMMs: results agree with the
   grouped path to fp32 reassociation (greedy output still equals HF's on the tiny and hold-out
   models, ``tests/engine/test_moe_models.py``);
@@ -41,9 +47,9 @@ of two paths by the number of (token, expert) assignments ``T k``:
 
 On CUDA the experts run as ``kernels/fused_moe.py``'s two Triton launches instead, the counts
 kept on the device, so a MoE decode step can be captured in a CUDA graph. Under expert
-parallelism the kernel (CUDA) or the CPU path one device would take (``gathered_slots`` /
-``expert_slots``) runs over a rank's experts only (``SparseMoe``'s ``ep``): the ranks' summed
-slots are one device's, bit for bit.
+parallelism the kernel (CUDA) or the PyTorch path (``gathered_slots`` / ``expert_slots``)
+runs over a rank's experts only (``SparseMoe``'s ``ep``): the ranks' summed slots are that
+path's one-device result, bit for bit (and the native call's to fp32 reassociation).
 
 FP8 experts (an FP8 checkpoint, or ``--quantization fp8``): ``gate_up_proj``/``down_proj`` in
 e4m3 with ``gate_up_proj_scale (E, 2 I, n)``/``down_proj_scale (E, H, n)`` fp32, ``n = 1``
@@ -74,9 +80,12 @@ from common.models.moe_experts import (
     gathered_slots,
 )
 from common.models.preflight import MOE_ARCHITECTURES
+from kernels import ops as _registered  # noqa: F401 - registers torch.ops.pdserve.*
 
 if TYPE_CHECKING:
     from common.parallel.group import TensorParallel
+
+_ops = torch.ops.pdserve
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,10 @@ class SparseMoe(nn.Module):
         self.fp32_weights = args.fp32_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._one_native_call(x):  # a CPU decode step: router to weighted sum, one op
+            gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+            return _ops.moe_decode(x, self.gate.weight, gate_up, down, self.top_k,
+                                   self.renormalize, self.fp32_weights)  # fmt: skip
         logits = self.gate(x)  # (T, E) in the model dtype
         dtype = torch.float32 if self.fp32_weights else logits.dtype
         weights, ids = route(logits, self.top_k, self.renormalize, dtype)
@@ -168,6 +181,17 @@ class SparseMoe(nn.Module):
         if ids.numel() <= GATHER_MAX_ASSIGNMENTS:  # the one-device path's rounding, split
             return combine_gathered(self.ep.all_reduce(slots), weights, x.dtype)
         return combine_slots(self.ep.all_reduce(slots), weights, x.dtype)
+
+    def _one_native_call(self, x: torch.Tensor) -> bool:
+        """The CPU's decode-sized steps on one device with model-dtype experts go through
+        ``kernels/moe_cpu.py`` (the gathered path's rounding, in one call)."""
+        return (
+            not x.is_cuda
+            and self.ep is None
+            and self.experts.scales is None
+            and x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS
+            and x.dtype in (torch.float32, torch.bfloat16)
+        )
 
 
 class Experts(nn.Module):

@@ -140,10 +140,12 @@ def test_route_normalises_per_architecture():
 
 def test_ops_of_the_sparse_mlp_are_fixed_when_gathered_and_five_per_expert_hit_when_grouped():
     """Up to ``GATHER_MAX_ASSIGNMENTS`` (token, expert) assignments (here 32 tokens × top 2):
-    12 ops whatever the experts hit (router, softmax, top-k, sum, div, two gathers, two
-    einsums, silu_and_mul, two views), no host read. Beyond: 20 ops (router, routing,
-    grouping, the weighted sum), then 5 per expert that has tokens (two selects, two linears,
-    silu_and_mul): a loop over experts, never over tokens."""
+    one op, ``kernels/moe_cpu.py``'s native call (router to weighted sum); the same path in
+    PyTorch (``fused_experts``' gathered path, which FP8 experts and expert parallelism take)
+    is 12 whatever the experts hit (router, softmax, top-k, sum, div, two gathers, two
+    einsums, silu_and_mul, two views). Neither reads the device on the host. Beyond: 20 ops
+    (router, routing, grouping, the weighted sum), then 5 per expert that has tokens (two
+    selects, two linears, silu_and_mul): a loop over experts, never over tokens."""
     _, ours = _blocks("qwen3-moe-8e-top2-norm", torch.float32, "grouped_mm")
     for tokens in (1, 3, 32, 33, 64):
         x = torch.randn(tokens, HIDDEN)
@@ -151,9 +153,13 @@ def test_ops_of_the_sparse_mlp_are_fixed_when_gathered_and_five_per_expert_hit_w
             hit = len(route(ours.gate(x), 2, True, torch.float32)[1].unique())
             with OpCounter() as counter:
                 ours(x)
+            with OpCounter() as gathered:
+                weights, ids = route(ours.gate(x), 2, True, torch.float32)
+                fused_experts(x, ours.experts.gate_up_proj, ours.experts.down_proj, weights, ids)
         if tokens * 2 <= GATHER_MAX_ASSIGNMENTS:
-            assert sum(counter.ops.values()) == 12, dict(counter.ops)
-            assert not counter.ops["aten.bincount"] and not counter.ops["aten.resolve_conj"]
+            assert dict(counter.ops) == {"pdserve.moe_decode": 1}
+            assert sum(gathered.ops.values()) == 12, dict(gathered.ops)
+            assert not gathered.ops["aten.bincount"] and not gathered.ops["aten.resolve_conj"]
         else:
             assert sum(counter.ops.values()) == 20 + 5 * hit, dict(counter.ops)
             assert counter.ops["pdserve.silu_and_mul"] == hit
@@ -184,8 +190,10 @@ def test_the_gathered_path_agrees_with_the_grouped_path_and_transformers(name, d
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_expert_parallel_shares_on_the_cpu_are_the_one_device_result(name):
     """Two ranks in one process, each holding half of the experts: their slots summed (the
-    group's all-reduce) give one device's output to the bit, on the gathered path (4 and 8
-    tokens) and the grouped one (40 tokens: over 64 assignments)."""
+    group's all-reduce) give one device's PyTorch output to the bit, on the gathered path (4
+    and 8 tokens) and the grouped one (40 tokens: over 64 assignments). (One device's decode
+    steps take the native call, ``kernels/moe_cpu.py``, equal to these to fp32
+    reassociation: ``tests/kernels/test_moe_cpu.py``.)"""
     _, one = _blocks(name, torch.float32, "grouped_mm")
     config = BLOCKS[name][0]
     arch = type(config).__name__.replace("Config", "ForCausalLM")
@@ -208,9 +216,15 @@ def test_expert_parallel_shares_on_the_cpu_are_the_one_device_result(name):
             for r, rank in enumerate(ranks):  # each rank's share, then the sum as all-reduce
                 rank.ep.all_reduce = lambda slots, r=r: shares.__setitem__(r, slots) or slots
                 rank(x)
+            weights, ids = route(one.gate(x), one.top_k, one.renormalize, _weights_dtype(one))
+            want = fused_experts(x, one.experts.gate_up_proj, one.experts.down_proj, weights, ids)
             for rank in ranks:
                 rank.ep.all_reduce = lambda slots: shares[0] + shares[1]
-                assert torch.equal(rank(x), one(x)), tokens
+                assert torch.equal(rank(x), want), tokens
+
+
+def _weights_dtype(moe: SparseMoe) -> torch.dtype:
+    return torch.float32 if moe.fp32_weights else moe.gate.weight.dtype
 
 
 # ------------------------------------------------------------------------- checkpoint layouts
@@ -388,14 +402,15 @@ def test_hold_out_moe_matches_hf_in_both_layouts(tmp_path, arch):
 
 def test_moe_layer_ops_per_decode_step(tmp_path):
     """Counted as ``test_step_ops`` counts the dense layer's (a 6-layer minus a 2-layer
-    tiny-mixtral, over 4): 19 per layer = the dense layer's 7 ops outside its MLP + the
-    gathered path's 12, whatever the 8 decoding tokens' experts (it was 47 with all 4 experts
-    hit: 20 fixed + 5 per expert); no host read."""
+    tiny-mixtral, over 4): 8 per layer = the dense layer's 7 ops outside its MLP + the sparse
+    MLP's one native call, whatever the 8 decoding tokens' experts (it was 47 with all 4
+    experts hit: 20 fixed + 5 per expert, then 19 with the gathered path in PyTorch); no host
+    read."""
     models = {n: model_with_layers(tmp_path, n, "tiny-mixtral") for n in (2, 6)}
     ops = {n: decode_step_ops(model) for n, model in models.items()}
     diff = per_layer(ops)
-    assert diff["pdserve.silu_and_mul"] == 4  # one per layer, whatever the experts hit
-    assert sum(diff.values()) == 4 * 19, dict(diff)
+    assert diff["pdserve.moe_decode"] == 4  # one per layer, whatever the experts hit
+    assert sum(diff.values()) == 4 * 8, dict(diff)
     assert not any(diff[op] for op in ("aten.bincount", "aten.resolve_conj")), dict(diff)
     assert not any(diff[op] for op in ("aten.nonzero", "aten._local_scalar_dense")), dict(diff)
     assert decode_step_ops(models[6]) == ops[6]  # stable: the same ops in a second engine
