@@ -173,9 +173,9 @@ def count_replays(llm) -> list[int]:
     graphs, replays = runner.graphs, [0, 0]
     real, size_for = graphs.replay, graphs.size_for
 
-    def replay(size, inputs):
+    def replay(size, inputs, lora_slots=None):
         replays[0] += 1
-        return real(size, inputs)
+        return real(size, inputs, lora_slots)
 
     def sized(scheduled):
         size = size_for(scheduled)

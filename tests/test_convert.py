@@ -149,7 +149,8 @@ def test_node_load_is_the_load_report() -> None:
     report_fields = {f.name for f in pb.LoadReport.DESCRIPTOR.fields} - {"role"}
     assert {f.name for f in dataclasses.fields(NodeLoad)} == report_fields
     values = {f.name: i + 1 for i, f in enumerate(dataclasses.fields(NodeLoad))}
-    load = NodeLoad(**{**values, "kv_usage": 0.5, "draining": True})  # type: ignore[arg-type]
+    values.update(kv_usage=0.5, draining=True, lora_adapters=("alpha", "beta"))
+    load = NodeLoad(**values)  # type: ignore[arg-type]
     report = pb.LoadReport.FromString(load_to_proto(pb.ROLE_DECODE, load).SerializeToString())
     assert report.role == pb.ROLE_DECODE
     assert load_from_proto(report) == load
