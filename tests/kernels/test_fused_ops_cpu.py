@@ -343,8 +343,8 @@ def test_without_a_compiler_the_ops_run_the_refs(monkeypatch, tmp_path, caplog) 
 
 def test_each_source_compiles_with_its_own_flags(monkeypatch, tmp_path) -> None:
     """The commands of a cold build (not run: test_cpu_attention builds for real): one compile
-    per source, the fused ops and the sampler without FMA contraction or fast math, one link of
-    all."""
+    per source, the fused ops and the sampler without FMA contraction or fast math (attention and
+    the MoE step with it, compiling only), one link of all."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     calls: list[list[str]] = []
 
@@ -358,8 +358,8 @@ def test_each_source_compiles_with_its_own_flags(monkeypatch, tmp_path) -> None:
     *compiles, link = calls
     assert [cmd[cmd.index("-c") + 1] for cmd in compiles] == [str(s.path) for s in native.SOURCES]
     assert all(cmd[cmd.index("-I") + 1] == str(native.HEADERS[0].parent) for cmd in compiles)
-    attention, fused, sampler = compiles
-    assert "-ffast-math" in attention
+    attention, fused, sampler, moe = compiles
+    assert "-ffast-math" in attention and "-ffast-math" in moe  # sums in their own order
     assert "-ffp-contract=off" in fused and "-ffast-math" not in fused
     assert "-ffp-contract=off" in sampler and "-ffast-math" not in sampler  # libm's expf/logf
     assert [c for c in link if c.endswith(".o")] == [cmd[cmd.index("-o") + 1] for cmd in compiles]
