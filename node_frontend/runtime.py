@@ -222,8 +222,8 @@ class NodeRpcs:
     async def LoadLoraAdapter(
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoraAdapterResponse:
-        try:
-            self.runtime.load_adapter(request.name, request.path)
+        try:  # reading and hashing its files: off the event loop
+            await asyncio.to_thread(self.runtime.load_adapter, request.name, request.path)
         except ValueError as e:
             await invalid_argument(context, str(e))
         return pb.LoraAdapterResponse(lora_adapters=sorted(self.runtime.adapters))
