@@ -32,11 +32,29 @@ _Call = Callable[[Stub], Awaitable[pb.LoraAdapterResponse]]
 
 async def load_lora_adapter(registry: Registry, clients: NodeClients, name: str, path: str) -> None:
     """Serve ``path`` as ``name`` on every node; 400 with the node's reason when a node
-    refuses it (a bad directory, a rank over its limit, LoRA off, the name taken)."""
+    refuses it (a bad directory, a rank over its limit, LoRA off, the name taken), and then no
+    node keeps it (those that took it unload it again)."""
     if not name or not path:
         raise invalid_request("lora_name and lora_path are required", "lora_name")
     request = pb.LoadLoraAdapterRequest(name=name, path=path)
-    await _on_every_node(registry, clients, lambda s: s.LoadLoraAdapter(request, timeout=_T))
+    had = {i.instance_id for i in registry.instances() if name in i.load.lora_adapters}
+    try:
+        await _on_every_node(registry, clients, lambda s: s.LoadLoraAdapter(request, timeout=_T))
+    except RouterError:  # all or nothing: the nodes that took it give it back
+        undo = pb.UnloadLoraAdapterRequest(name=name)
+        took = [
+            i
+            for i in registry.instances()
+            if name in i.load.lora_adapters and i.instance_id not in had
+        ]
+        await asyncio.gather(
+            *(_stub(clients, i).UnloadLoraAdapter(undo, timeout=_T) for i in took),
+            return_exceptions=True,
+        )
+        for instance in took:
+            kept = tuple(a for a in instance.load.lora_adapters if a != name)
+            instance.load = dataclasses.replace(instance.load, lora_adapters=kept)
+        raise
 
 
 async def unload_lora_adapter(registry: Registry, clients: NodeClients, name: str) -> None:

@@ -45,3 +45,52 @@ def test_affinity_hashes_are_salted_by_the_adapter() -> None:
     assert len(base.block_hashes) == 3
     assert not set(base.block_hashes) & set(alpha.block_hashes)
     assert not set(alpha.block_hashes) & set(beta.block_hashes)
+
+
+class _Stub:
+    """A node's LoRA RPCs: it takes an adapter, or refuses it as a node without LoRA would."""
+
+    def __init__(self, takes: bool) -> None:
+        self.takes, self.unloaded = takes, []
+
+    async def LoadLoraAdapter(self, request, timeout):
+        import grpc
+        from pdserve_proto import pdserve_pb2 as pb
+
+        if not self.takes:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                details="LoRA is not enabled on this node (--enable-lora)",
+            )  # fmt: skip
+        return pb.LoraAdapterResponse(lora_adapters=[request.name])
+
+    async def UnloadLoraAdapter(self, request, timeout):
+        from pdserve_proto import pdserve_pb2 as pb
+
+        self.unloaded.append(request.name)
+        return pb.LoraAdapterResponse()
+
+
+def test_a_load_one_node_refuses_is_undone_on_the_others() -> None:
+    import asyncio
+
+    import pytest
+
+    from router.errors import RouterError
+    from router.lora_admin import load_lora_adapter
+
+    registry = make(Clock())
+    stubs = {"h:1": _Stub(True), "h:2": _Stub(False), "h:3": _Stub(True)}
+    for i, (address, role) in enumerate(zip(stubs, (Role.PREFILL, Role.PREFILL, Role.DECODE))):
+        registry.register(f"n{i}", role, address, INFO)
+
+    class Clients:
+        def prefill(self, address):
+            return stubs[address]
+
+        decode = prefill
+
+    with pytest.raises(RouterError, match="h:2: LoRA is not enabled"):
+        asyncio.run(load_lora_adapter(registry, Clients(), "gamma", "/somewhere"))  # type: ignore[arg-type]
+    assert stubs["h:1"].unloaded == ["gamma"] and stubs["h:3"].unloaded == ["gamma"]
+    assert registry.lora_adapters() == set()  # no node keeps it, so none is routed to
