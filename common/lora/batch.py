@@ -9,7 +9,8 @@ delta to the projection's output ``y`` in place: ``y[t] += (x[t] A[slot]ᵀ) B[s
   host during the forward.
 - CPU: one adapter with every row: two GEMMs over the batch. Several adapters in a step whose
   rows pad to one length with little waste (decode): every slot's rows gathered into one
-  ``(S, L, K)`` batch, two batched GEMMs, one scatter-add — five ops whatever the adapters. Else
+  ``(S, L, K)`` batch, two batched GEMMs, one scatter-add — nine dispatched ops (four of
+  them views) whatever the adapters. Else
   (a long prompt chunk beside a few decodes): two GEMMs per adapter present (≤ ``max_loras``,
   never per request) over its gathered rows.
 """
