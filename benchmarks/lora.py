@@ -37,7 +37,7 @@ from common.lora.adapter import LoraRef, read_adapter
 from common.models.names import resolve_model_path
 from common.sampling_params import SamplingParams
 
-MODULES = {  # PEFT module → (where, input size key, output size)
+MODULES = {  # PEFT module → the block of the decoder layer holding it
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
 }  # fmt: skip

@@ -126,10 +126,6 @@ class RunnerConfig:
     quantization: str | None = None  # "fp8": quantize the projections at load
     lora: LoraConfig = field(default_factory=LoraConfig)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.lora, dict):  # rebuilt from ``dataclasses.asdict`` (TP workers)
-            object.__setattr__(self, "lora", LoraConfig(**self.lora))
-
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -37,6 +37,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from common.step_inputs import InputBuffers, StepInputs
@@ -167,7 +168,7 @@ class DecodeGraphs:
         return self.model(v.input_ids, v.positions, self._kv_layers, v.meta)
 
     def replay(
-        self, size: int, inputs: StepInputs, lora_slots: list[int] | None = None
+        self, size: int, inputs: StepInputs, lora_slots: np.ndarray | None = None
     ) -> torch.Tensor:
         """Hidden states ``(size, hidden)`` of the step just written into the input buffers
         (``inputs``: their views, padded to ``size``; a graph reads the same addresses).
@@ -175,10 +176,11 @@ class DecodeGraphs:
         self.replays += 1
         if not self.capture:
             assert self._kv_layers is not None
-            rows = self.lora.batch(lora_slots) if self.lora and lora_slots else None
+            use = self.lora is not None and lora_slots is not None
+            rows = self.lora.batch(lora_slots) if use else None  # type: ignore[union-attr, arg-type]
             inputs.meta.lora = rows
             return self.model(inputs.input_ids, inputs.positions, self._kv_layers, inputs.meta)
         if self._lora_rows is not None:
-            self._lora_rows.refill(lora_slots or [])
+            self._lora_rows.refill([] if lora_slots is None else lora_slots)
         self._graphs[size].replay()
         return self._outputs[size]

@@ -29,7 +29,7 @@ from pdserve_proto.convert import (
 from common.core_client import CoreOutput, CoreRequestError
 from common.core_messages import Ready
 from common.kv_interface import KVHandle
-from common.lora.adapter import LoraRef
+from common.lora.adapter import LoraRef, handle_fingerprint
 from common.sampling_params import SamplingParams
 from node_frontend.options import DECODE_PORT
 from node_frontend.runtime import NodeRpcs, NodeRuntime, abort_with, invalid_argument
@@ -37,21 +37,26 @@ from node_frontend.server import NodeKind, add_node_command
 from node_frontend.stats import TokenTimer
 
 
-def check_kv_handle(handle: KVHandle, prompt: list[int], info: Ready) -> None:
-    """Raise ValueError unless ``handle`` is in this node's layout and of this prompt's length
-    (cheap checks at the door; the engine compares the block hashes, which it computes anyway)."""
-    layout = handle.fingerprint.partition("+lora:")[0]  # the adapter: the engine's check
-    if layout != info.kv_fingerprint or handle.block_size != info.block_size:
+def check_kv_handle(handle: KVHandle, prompt: list[int], info: Ready, lora: LoraRef | None) -> None:
+    """Raise ValueError unless ``handle`` is in this node's layout, of the request's adapter
+    (``lora``) and of this prompt's length (cheap checks at the door; the engine compares the
+    block hashes, which it computes anyway)."""
+    own = handle_fingerprint(info.kv_fingerprint or "", lora)
+    if handle.fingerprint != own or handle.block_size != info.block_size:
         raise ValueError(
-            f"KV handle is for another model or layout ({handle.fingerprint}, block size"
-            f" {handle.block_size}); this node serves {info.kv_fingerprint}, {info.block_size}"
+            f"KV handle is for another model or layout, or another LoRA adapter"
+            f" ({handle.fingerprint}, block size {handle.block_size}); this request is {own},"
+            f" {info.block_size}"
         )
     if handle.num_tokens != len(prompt):
         raise ValueError(f"KV handle holds {handle.num_tokens} tokens, the prompt {len(prompt)}")
 
 
-def check_decode_request(request: pb.DecodeRequest, params: SamplingParams, info: Ready) -> None:
-    """Raise ValueError on a request this node cannot run (the engine checks the rest)."""
+def check_decode_request(
+    request: pb.DecodeRequest, params: SamplingParams, info: Ready, lora: LoraRef | None
+) -> None:
+    """Raise ValueError on a request this node cannot run under adapter ``lora`` (the engine
+    checks the rest)."""
     if not request.request_id:
         raise ValueError("request_id is required")
     if not request.prompt_token_ids:
@@ -65,7 +70,7 @@ def check_decode_request(request: pb.DecodeRequest, params: SamplingParams, info
         )
     if request.HasField("kv_handle"):
         handle = kv_handle_from_proto(request.kv_handle)
-        check_kv_handle(handle, list(request.prompt_token_ids), info)
+        check_kv_handle(handle, list(request.prompt_token_ids), info, lora)
 
 
 class _DecodeStream:
@@ -131,8 +136,8 @@ class DecodeServicer(NodeRpcs, pb_grpc.DecodeServiceServicer):
         async with self.runtime.admit(context):
             try:
                 params = sampling_params_from_proto(request.sampling_params)
-                check_decode_request(request, params, self.runtime.info)
                 lora = self.runtime.adapter(request.lora_name)
+                check_decode_request(request, params, self.runtime.info, lora)
             except ValueError as e:
                 await invalid_argument(context, str(e))
             async for msg in self._stream(request, params, lora, context):

@@ -12,6 +12,7 @@ import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +106,7 @@ class NodeOptions:
             self.speculative()  # a bad JSON or config fails at start-up, with its reason
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
-        self.lora_adapters()  # an adapter that cannot be served fails start-up, saying why
+        _ = self.lora_adapters  # read once, here: an adapter it cannot serve fails start-up
         if not self.kv_store:
             raise ValueError("--kv-store is required (redis://… or file:///…)")
         if not 0 <= self.port < 65536:
@@ -149,8 +150,10 @@ class NodeOptions:
             **kwargs,
         )
 
+    @cached_property
     def lora_adapters(self) -> dict[str, LoraRef]:
-        """``--lora-modules`` read and checked: name → adapter (reads and hashes the files)."""
+        """``--lora-modules`` read and checked: name → adapter (reads and hashes the files,
+        once: the node's runtime starts from a copy)."""
         specs = (self.lora_modules or "").replace(",", " ").split()
         rank = self.max_lora_rank or LoraConfig.max_lora_rank
         return {

@@ -78,7 +78,7 @@ class NodeRuntime:
         self._idle.set()
         self._core_silent = False  # the last load query went unanswered (logged once)
         # LoRA adapters served, by name (--lora-modules, then LoadLoraAdapter/Unload…)
-        self.adapters: dict[str, LoraRef] = options.lora_adapters()
+        self.adapters: dict[str, LoraRef] = dict(options.lora_adapters)
 
     @property
     def info(self) -> Ready:

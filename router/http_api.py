@@ -256,7 +256,7 @@ async def _serve_completion(
         lambda: [core.prompts.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    specs = [_prepare(core, body, ids, request_id) for ids in prompt_ids]
+    specs = [_prepare(core, body, ids, request_id, lora_name) for ids in prompt_ids]
     echo = None
     if body.echo:
         echo = [
@@ -294,7 +294,7 @@ async def _serve_chat(core: RouterCore, request: Request, body: ChatCompletionRe
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompt_ids = await core.offload(core.prompts.encode_chat, rendered)
-    spec = _prepare(core, body, prompt_ids, request_id)
+    spec = _prepare(core, body, prompt_ids, request_id, lora_name)
     formatter = ChatFormatter(
         request_id,
         lora_name or core.served.name,
@@ -314,9 +314,11 @@ def _prepare(
     body: CompletionRequest | ChatCompletionRequest,
     prompt_ids: list[int],
     request_id: str,
+    lora_name: str,
 ) -> GenerateSpec:
-    """One prompt's spec. ``max_tokens=0`` (completions with echo) runs the prefill only, for
-    the prompt's logprobs: the node samples one token, which is dropped."""
+    """One prompt's spec under ``lora_name`` (the adapter its ``model`` named, ``""``: the base
+    model). ``max_tokens=0`` (completions with echo) runs the prefill only, for the prompt's
+    logprobs: the node samples one token, which is dropped."""
     max_tokens = requested_max_tokens(body)
     prefill_only = max_tokens == 0
     params = to_sampling_params(body, 1 if prefill_only else max_tokens)
@@ -325,7 +327,7 @@ def _prepare(
         beam = (body.beam_width, body.length_penalty)
     spec = core.prepare(
         prompt_ids, params, priority=body.priority, request_id=request_id, beam=beam,
-        lora_name=core.check_model(body.model),
+        lora_name=lora_name,
     )  # fmt: skip
     return dataclasses.replace(spec, prefill_only=prefill_only) if prefill_only else spec
 

@@ -17,6 +17,9 @@ delta to the projection's output ``y`` in place: ``y[t] += (x[t] A[slot]ᵀ) B[s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
@@ -25,7 +28,7 @@ class LoraBatch:
 
     def __init__(
         self,
-        token_slots: list[int],
+        token_slots: Sequence[int] | np.ndarray,
         a: dict[tuple[int, str], torch.Tensor],
         b: dict[tuple[int, str], torch.Tensor],
         kernels: bool,
@@ -43,19 +46,18 @@ class LoraBatch:
             self.sorted_tokens = sorted_tokens.to(device, non_blocking=True)
             self.tiles = tiles.to(device, non_blocking=True)
             return
-        # CPU: (slot, rows) per adapter present; rows None when it has every row of the step
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(token_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(row)
+        # CPU: (slot, rows) per adapter present (numpy, no loop over rows); rows None when it
+        # has every row of the step
+        slots = np.asarray(token_slots, dtype=np.int64)
+        by_slot = {int(s): np.flatnonzero(slots == s) for s in np.unique(slots[slots >= 0])}
         self.groups = [
-            (slot, None if len(rows) == self.num_tokens else torch.tensor(rows))
+            (slot, None if len(rows) == self.num_tokens else torch.from_numpy(rows))
             for slot, rows in by_slot.items()
         ]
         self.padded = self._padded_groups(by_slot, next(iter(a.values())).shape[0])
 
     def _padded_groups(
-        self, by_slot: dict[int, list[int]], num_slots: int
+        self, by_slot: dict[int, np.ndarray], num_slots: int
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """When several adapters share the step and padding them to one length wastes little
         (decode steps): ``(gather (S, L), scatter (S L,))`` row indices, every slot's rows
@@ -68,7 +70,7 @@ class LoraBatch:
             return None  # unbalanced (a prompt chunk beside decodes): one GEMM pair per adapter
         gather = torch.full((num_slots, longest), self.num_tokens, dtype=torch.long)
         for slot, rows in by_slot.items():
-            gather[slot, : len(rows)] = torch.tensor(rows)
+            gather[slot, : len(rows)] = torch.from_numpy(rows)
         return gather, torch.where(gather == self.num_tokens, 0, gather).flatten()
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -120,7 +122,7 @@ class GraphLoraBatch(LoraBatch):
         padding = torch.tensor([[0, 0, -1]], dtype=torch.int32)
         self.tiles = padding.repeat(self.max_tiles, 1).to(device)
 
-    def refill(self, token_slots: list[int]) -> None:
+    def refill(self, token_slots: Sequence[int] | np.ndarray) -> None:
         """The rows of the step about to be replayed (padding rows: none, -1)."""
         from kernels.lora import lora_tiles
 

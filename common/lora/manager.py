@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -69,10 +70,6 @@ class LoraManager:
         self._checked: set[str] = set()  # content hashes whose shapes fit
         self.kernels = device.type == "cuda"  # kernels/lora.py (tests: interpreted on a CPU)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
-
     def check(self, lora: LoraRef) -> None:
         """ValueError unless the adapter fits this model and these slots (headers only)."""
         if lora.content_hash not in self._checked:
@@ -80,19 +77,17 @@ class LoraManager:
             check_shapes(lora.path, config, self.projections)
             self._checked.add(lora.content_hash)
 
-    def activate(self, scheduled: list[ScheduledRequest]) -> list[int] | None:
-        """Put the step's adapters in slots; each row's slot (-1: the base model), or None
-        when no row has an adapter."""
-        token_slots: list[int] = []
-        any_lora, used = False, set[str]()
-        for s in scheduled:
-            lora = s.request.lora
-            slot = -1 if lora is None else self._slot(lora, used)
-            any_lora |= slot >= 0
-            token_slots += [slot] * s.num_new_tokens
-        return token_slots if any_lora else None
+    def activate(self, scheduled: list[ScheduledRequest]) -> np.ndarray | None:
+        """Put the step's adapters in slots; each row's slot (-1: the base model; one entry
+        per request, repeated over its rows), or None when no row has an adapter."""
+        used: set[str] = set()
+        slots = [-1 if s.request.lora is None else self._slot(s.request.lora, used)
+                 for s in scheduled]  # fmt: skip
+        if not used:
+            return None
+        return np.repeat(np.asarray(slots, dtype=np.int64), [s.num_new_tokens for s in scheduled])
 
-    def batch(self, token_slots: list[int]) -> LoraBatch:
+    def batch(self, token_slots: np.ndarray) -> LoraBatch:
         """An eager step's LoRA rows."""
         return LoraBatch(token_slots, self.a, self.b, self.kernels)
 

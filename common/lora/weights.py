@@ -56,7 +56,7 @@ class Projection(NamedTuple):
 ModelProjections = dict[tuple[int, str], Projection]
 
 
-def _entries(names: list[str], config: AdapterConfig, projections: ModelProjections):
+def _entries(names: list[str], projections: ModelProjections):
     """Yield (key, layer, module, 'A'|'B') for each tensor, refusing any the model cannot take."""
     for key in names:
         m = _KEY.match(key)
@@ -74,7 +74,7 @@ def _entries(names: list[str], config: AdapterConfig, projections: ModelProjecti
 def check_shapes(path: str, config: AdapterConfig, projections: ModelProjections) -> None:
     """Every tensor of the adapter fits the model (read from the header only)."""
     with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
-        for key, layer, module, which in _entries(list(f.keys()), config, projections):
+        for key, layer, module, which in _entries(list(f.keys()), projections):
             shape = tuple(f.get_slice(key).get_shape())
             _check(key, shape, which, projections[layer, TARGETS[module][0]],
                    TARGETS[module][1], config.rank)  # fmt: skip
@@ -93,7 +93,7 @@ def read_weights(
     the adapter targets (scaling folded into B)."""
     found: dict[tuple[int, str], dict[tuple[int, str], torch.Tensor]] = {}
     with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
-        for key, layer, module, which in _entries(list(f.keys()), config, projections):
+        for key, layer, module, which in _entries(list(f.keys()), projections):
             proj_name, j = TARGETS[module]
             tensor = f.get_tensor(key)
             _check(key, tuple(tensor.shape), which, projections[layer, proj_name], j,

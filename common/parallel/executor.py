@@ -61,7 +61,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
-from common.config import CacheConfig, RunnerConfig
+from common.config import CacheConfig, LoraConfig, RunnerConfig
 from common.memory_profile import KVReserve
 from common.model_runner import ModelRunner, StepResult
 from common.parallel.block_exchange import collect, land
@@ -387,7 +387,8 @@ def _worker_main(rank: int, plain: dict[str, Any]) -> None:
     die_with(plain["parent"])  # a rank never outlives its engine (SIGKILL included)
     logging.basicConfig(level=logging.WARNING)
     size = plain["size"]
-    config = RunnerConfig(**plain["runner"])  # rank 0's: the same graphs, captured in lockstep
+    # rank 0's (the same graphs, captured in lockstep), its nested config rebuilt from asdict's
+    config = RunnerConfig(**{**plain["runner"], "lora": LoraConfig(**plain["runner"]["lora"])})
     device = torch.device(_rank_device(config.device, rank))
     if device.type == "cpu":
         torch.set_num_threads(_cpu_threads(plain["cpu_threads"], size))

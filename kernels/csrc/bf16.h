@@ -51,6 +51,12 @@ static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
     return (bits & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0u : (uint16_t)rounded;
 }
 
+/* `value` rounded to model dtype `dtype` (DTYPE_F32 or DTYPE_BF16) and widened back: what a
+ * PyTorch op in that dtype leaves. */
+static inline __attribute__((always_inline)) float round_to(float value, int dtype) {
+    return dtype == DTYPE_F32 ? value : bf16_to_f32(f32_to_bf16(value));
+}
+
 /* float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, 0x7f/0xff NaN,
  * largest 448 (0x7e), subnormals m * 2^-9. */
 

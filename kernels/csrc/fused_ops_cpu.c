@@ -49,11 +49,6 @@ INLINE void store(void *base, int64_t i, float value, int dtype) {
     else ((uint16_t *)base)[i] = f32_to_bf16(value);
 }
 
-/* `value` rounded to `dtype` and widened back: what a PyTorch op in that dtype leaves. */
-INLINE float round_to(float value, int dtype) {
-    return dtype == DTYPE_F32 ? value : bf16_to_f32(f32_to_bf16(value));
-}
-
 /* Store `value`, a result of an op in `dtype`, into a KV cache of `cache_dtype` (`dtype`, or
  * DTYPE_FP8_E4M3): rounded to `dtype` first, then for fp8 converted as
  * `.to(torch.float8_e4m3fn)` would convert the cache of `dtype` holding it. */

@@ -23,12 +23,7 @@
 
 #include "bf16.h"
 
-#define INLINE static inline __attribute__((always_inline))
 #define PARALLEL_MIN_MACS (1 << 15) /* below this a step's phase runs on one thread */
-
-INLINE float round_to(float value, int dtype) {
-    return dtype == DTYPE_F32 ? value : bf16_to_f32(f32_to_bf16(value));
-}
 
 /* Σ a[i] b[i] over n, a and b of `dtype`; `a_f32`: a is fp32 whatever the dtype. */
 static float dot(const void *a, const void *b, int64_t n, int dtype, int a_f32) {

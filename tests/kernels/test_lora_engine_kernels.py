@@ -55,7 +55,7 @@ def test_graph_rows_refilled_per_replay_equal_eager(dirs):
                     size, inputs, lora_slots=None, graphs=graphs, rows=rows, kv=runner.kv_layers
                 ):
                     replayed.append((size, lora_slots))
-                    rows.refill(lora_slots or [])
+                    rows.refill([] if lora_slots is None else lora_slots)
                     inputs.meta.lora = rows
                     return graphs.model(inputs.input_ids, inputs.positions, kv, inputs.meta)
 

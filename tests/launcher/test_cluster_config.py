@@ -209,7 +209,7 @@ def test_up_serves_lora_adapters_on_every_node(tmp_path) -> None:
     options = options_from_args(parser.parse_args([*argv, "--kv-store", "shm:///x"]), 0, env={})
     lora = options.engine_config("consumer").lora
     assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank) == (True, 2, 8)
-    assert list(options.lora_adapters()) == ["alpha"]
+    assert list(options.lora_adapters) == ["alpha"]
     too_small = [*argv, "--max-lora-rank", "4", "--kv-store", "shm:///x"]
     with pytest.raises(ValueError, match="rank 8 is over --max-lora-rank 4"):
         options_from_args(parser.parse_args(too_small), 0, env={})
