@@ -357,7 +357,7 @@ def sampler_share(ctx: Context) -> list[Row]:
     """The sampler with temperature + top-p over the model's vocabulary at the larger batch (64
     on a GPU), against the decode step of that batch (greedy, as ``decode step`` timed it), on
     two kinds of logits: flat (standard normal: top-p keeps tens of thousands of tokens, the
-    kernels' slow path, a bisection over each row) and Zipf-shaped (``-1.2 log rank``, shuffled:
+    kernels' slow path, a search over each row) and Zipf-shaped (``-1.2 log rank``, shuffled:
     the kept set is small, as a trained model's usually is, and the candidates settle it)."""
     from common import SamplingParams
     from common.sampler import Sampler, SampleRow

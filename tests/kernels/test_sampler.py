@@ -26,6 +26,7 @@ from kernels.sampler import (
     sample_tokens_cpu,
     unpack_params,
 )
+from tests.kernels.conftest import INTERPRETING
 
 # (temperature, top_k, top_p, min_p): how pass 2 settles the row with tile 256, cand 16
 TRITON_ROWS = [
@@ -109,6 +110,61 @@ def test_triton_matches_ref(device) -> None:
     assert torch.equal(logits, before)  # read, never written
     assert tokens.dtype == torch.int64
     assert tokens.tolist() == ref_sample_tokens(logits, params, _no_counts(vocab, device)).tolist()
+
+
+def _flat_rows(seed: int, n: int) -> list[tuple[float, int, float, float]]:
+    """Rows whose kept prefix runs past 4 tiles' 16 candidates on standard-normal logits."""
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < n:
+        top_k = rng.choice([-1, -1, 60, 300, 900])
+        top_p = rng.choice([1.0, 0.97, 0.8, 0.5])
+        min_p = rng.choice([0.0, 0.0, 0.005, 0.1])
+        if top_k > 0 or top_p < 1.0 or min_p > 0.0:
+            rows.append((rng.choice([0.7, 1.0, 2.0]), top_k, top_p, min_p))
+    return rows
+
+
+@pytest.mark.slow  # ~15 s interpreted
+def test_triton_cuts_match_ref_on_flat_rows(device) -> None:
+    """Every mix of top-k, top-p and min-p where pass 2 must search the row for its cuts: the
+    search lands where the ref's sort and cumsum cut, token for token."""
+    rows = _flat_rows(seed=7, n=16)
+    vocab = 1000
+    logits = torch.randn(len(rows), vocab, device=device)
+    logits[3, ::7] = float("-inf")  # a grammar mask inside the search
+    params = _params(rows, list(range(100, 100 + len(rows))), [5] * len(rows), device)
+    none = _no_counts(vocab, device)
+    tokens = sample_tokens(logits, params, none, tile=256, cand=16)
+    assert tokens.tolist() == ref_sample_tokens(logits, params, none).tolist()
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="counts the interpreter's calls of a kernel function")
+@pytest.mark.parametrize(
+    ("row", "most"),
+    [((1.0, -1, 0.9, 0.0), 10), ((1.0, -1, 1.0, 0.05), 10), ((1.0, 900, 0.9, 0.0), 19)],
+)
+def test_a_cut_costs_a_few_reads_of_the_row(device, monkeypatch, row, most) -> None:
+    """Pass 2's search tests 16 keys per read of the row: one cut takes at most 8 reads, plus the
+    mass kept and the draw (a bisection took 33 per cut: 35 and 69 reads)."""
+    import kernels.sampler as sampler
+
+    reads = 0
+    scaled = sampler._scaled
+
+    def counted(*args):
+        nonlocal reads
+        reads += 1
+        return scaled(*args)
+
+    vocab, tile = 1000, 256
+    logits = torch.randn(1, vocab, device=device)
+    params = _params([row], [9], [1], device)
+    monkeypatch.setattr(sampler, "_scaled", counted)
+    tokens = sample_tokens(logits, params, _no_counts(vocab, device), tile=tile, cand=16)
+    tiles = -(-vocab // tile)  # pass 1 reads each tile once; pass 2 reads the row in tiles too
+    assert tokens.tolist() == ref_sample_tokens(logits, params, _no_counts(vocab, device)).tolist()
+    assert tiles < reads <= tiles + most * tiles
 
 
 def test_triton_penalties_match_ref(device) -> None:
