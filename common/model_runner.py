@@ -99,6 +99,8 @@ class StepResult:
     def tokens(self) -> dict[str, SampledToken]:
         """The token of every request sampling one row."""
         per_row, row = self._rows(), 0
+        if len(per_row) == len(self.owners):  # no drafts: one row each, in order
+            return dict(zip(self.owners, per_row))
         out: dict[str, SampledToken] = {}
         for owner, count in zip(self.owners, self.counts):
             if count == 1:
@@ -109,6 +111,8 @@ class StepResult:
     def verified_tokens(self) -> dict[str, list[SampledToken]]:
         """The target's samples at every verified position of the requests with drafts."""
         per_row, row = self._rows(), 0
+        if len(per_row) == len(self.owners):  # no drafts
+            return {}
         out: dict[str, list[SampledToken]] = {}
         for owner, count in zip(self.owners, self.counts):
             if count > 1:
@@ -123,10 +127,10 @@ class StepResult:
             result = self._host
             token_ids = result.token_ids.tolist()
             lps = _to_token_logprobs(result, token_ids, self.rows)
-            self._per_row = [
-                SampledToken(t, lps[i] if lps is not None else None)
-                for i, t in enumerate(token_ids)
-            ]
+            if lps is None:
+                self._per_row = list(map(SampledToken, token_ids))
+            else:
+                self._per_row = list(map(SampledToken, token_ids, lps))
         return self._per_row
 
 
@@ -400,6 +404,21 @@ class ModelRunner:
             r = s.request
             position = r.num_output_tokens + r.num_output_placeholders - 1
             drafts = s.spec_token_ids
+            owners.append(r.request_id)
+            counts.append(len(drafts) + 1)
+            if not drafts:  # the common row, written out: this loop runs for every request
+                rows.append(
+                    SampleRow(
+                        r.sampling_params,
+                        r.seed,
+                        position,
+                        r.prompt_token_ids,
+                        r.output_token_ids,
+                        r.eos_token_id,
+                        r.request_id,
+                    )
+                )
+                continue
             for j in range(len(drafts) + 1):
                 outputs = r.output_token_ids + drafts[:j] if j else r.output_token_ids
                 rows.append(
@@ -413,8 +432,6 @@ class ModelRunner:
                         r.request_id if j == 0 else None,  # drafts' rows: no kept counts
                     )
                 )
-            owners.append(r.request_id)
-            counts.append(len(drafts) + 1)
         return rows, owners, counts
 
 

@@ -34,13 +34,15 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+# a plain int: looking a member up on its enum class costs more than the comparison (per row)
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -140,7 +142,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status >= _FIRST_FINISHED  # (``status.finished``, one call less per row)
 
     @property
     def hash_salt(self) -> str | None:
@@ -166,7 +168,7 @@ class Request:
     def update_block_hashes(self) -> None:
         """Extend ``block_hashes`` to cover every full block of ``all_token_ids``."""
         done = len(self.block_hashes) * self.block_size
-        if self.num_tokens - done < self.block_size:
+        if len(self.all_token_ids) - done < self.block_size:  # most calls: no block filled
             return
         parent = self.block_hashes[-1] if self.block_hashes else root_hash(self.hash_salt)
         self.block_hashes += hash_blocks(

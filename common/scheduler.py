@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from common.config import SchedulerConfig
@@ -182,14 +182,14 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        index, running = 0, self.running  # (``_preempt`` shrinks this very list)
+        while index < len(running) and budget > 0:
+            request = running[index]
             num_new = min(self._num_schedulable(request), budget)
             if num_new <= 0:  # waits for its output in flight, or stops there
                 index += 1
                 continue
-            drafts = self._take_drafts(request, num_new, budget)
+            drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
             num_new += len(drafts)
             if not self._allocate_or_preempt(request, index, num_new, out):
                 continue  # ``request`` itself was preempted; ``running`` shrank
@@ -201,13 +201,13 @@ class Scheduler:
     def _num_schedulable(self, request: Request) -> int:
         """Tokens a running request can compute now: its known tokens plus the ones still in
         flight, but nothing past the step that may end it (``max_tokens``, ``max_model_len``)."""
-        pending = request.num_output_placeholders
+        pending, num_tokens = request.num_output_placeholders, request.num_tokens
         if pending and (
             request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self.max_model_len
+            or num_tokens + pending >= self.max_model_len
         ):
             return 0
-        return request.num_tokens + pending - request.num_computed_tokens
+        return num_tokens + pending - request.num_computed_tokens
 
     def _take_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The request's drafts to verify this step (consumed): on a plain decode row only, as
@@ -386,17 +386,17 @@ class Scheduler:
     def _add_scheduled(
         self, out: SchedulerOutput, request: Request, num_new: int, drafts: list[int] | None = None
     ) -> None:
-        start = request.num_computed_tokens
+        kv, request_id, start = self.kv, request.request_id, request.num_computed_tokens
         samples = start + num_new >= request.num_tokens + request.num_output_placeholders
         if samples:
             request.num_output_placeholders += 1
-        block_ids = self.kv.get_block_ids(request.request_id)
-        version = self.kv.table_version(request.request_id)
+        block_ids = kv.get_block_ids(request_id)
+        version = kv.table_version(request_id)
         item = ScheduledRequest(request, num_new, samples, block_ids, start, drafts or [], version)
         out.scheduled.append(item)
         # Blocks become shareable as soon as their tokens are scheduled: KV is written before
         # attention reads it in every layer, so a same-step hit reads valid data.
-        self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
+        kv.cache_blocks(request, start + num_new)
 
     # -- after the forward pass ---------------------------------------------------------------
     def update_from_output(
@@ -424,7 +424,7 @@ class Scheduler:
                 assert verified is not None
                 results.append(self._accept_verified(item, verified[request.request_id]))
             else:
-                results.append(self._accept_tokens(request, [sampled[request.request_id]]))
+                results.append(self._accept_tokens(request, (sampled[request.request_id],)))
         return results
 
     def _accept_verified(
@@ -456,7 +456,7 @@ class Scheduler:
             for item in out.scheduled
         )
 
-    def _accept_tokens(self, request: Request, tokens: list[SampledToken]) -> EngineCoreOutput:
+    def _accept_tokens(self, request: Request, tokens: Sequence[SampledToken]) -> EngineCoreOutput:
         """Append ``tokens`` in order, stopping at the first that ends the request."""
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
@@ -483,17 +483,15 @@ class Scheduler:
         )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        params, num_output = request.sampling_params, request.num_output_tokens
+        if num_output >= params.min_tokens:
             if token_id == request.eos_token_id and not params.ignore_eos:
                 request.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
