@@ -388,6 +388,9 @@ class ModelRunner:
 
     def _remember(self, token_ids: torch.Tensor, owners: list[str], counts: list[int]) -> None:
         self._prev_sampled = token_ids
+        if counts.count(1) == len(counts):  # no drafts: row i is owner i's
+            self._prev_rows = dict(zip(owners, range(len(owners))))
+            return
         ends = itertools.accumulate(counts)
         self._prev_rows = {owner: end - 1 for owner, end in zip(owners, ends)}
 

@@ -16,6 +16,7 @@ each only in a step with a row that asks for it.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +42,13 @@ class SampleRow:
     eos_token_id: int | None
     # the request's id: its penalty counts stay on the device between steps (None: rebuilt)
     request_id: str | None = None
+
+
+# Fields of every row read at C speed (``map``): the checks below run over each row, each step.
+_position = operator.attrgetter("position")
+_min_tokens = operator.attrgetter("params.min_tokens")
+_temperature = operator.attrgetter("params.temperature")
+_logprobs_wanted = operator.attrgetter("params.logprobs")
 
 
 class SamplerOutput(NamedTuple):
@@ -74,7 +82,7 @@ class Sampler:
         penalised = [r for r in rows if r.params.needs_penalties]
         if penalised and not fits(penalised):  # a count would overflow its 15 bits
             logits, penalised = _apply_penalties(logits, rows), []
-        if not penalised and all(r.params.greedy for r in rows):
+        if not penalised and _all_greedy(rows):
             token_ids = logits.argmax(dim=-1)
         else:
             slots = self._slots(rows, logits) if penalised else [None] * len(rows)
@@ -131,8 +139,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def _all_greedy(rows: list[SampleRow]) -> bool:
+    """Every row's ``params.greedy``."""
+    temperatures = list(map(_temperature, rows))
+    return temperatures.count(0.0) == len(temperatures)
+
+
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Below ``min_tokens``, EOS and the stop token ids cannot be drawn (on a copy)."""
+    if not any(map(operator.lt, map(_position, rows), map(_min_tokens, rows))):
+        return logits  # the common step: every row is past its min_tokens
     hit_rows: list[int] = []
     hit_ids: list[int] = []
     for i, r in enumerate(rows):
@@ -180,7 +196,7 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
     """Logprobs of the model's own distribution (before penalties and temperature)."""
-    wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    wanted = [k for k in map(_logprobs_wanted, rows) if k is not None]
     if not wanted:
         return SamplerOutput(token_ids, None, None, None)
     logprobs = torch.log_softmax(raw, dim=-1)
