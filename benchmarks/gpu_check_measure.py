@@ -98,13 +98,14 @@ def sync(device: torch.device) -> None:
 
 
 @contextmanager
-def decoding(llm, batch: int, context: int, steps: int) -> Iterator[Any]:
+def decoding(llm, batch: int, context: int, steps: int, temperature: float = 0.0) -> Iterator[Any]:
     """``batch`` requests of ``context`` prompt tokens, prefilled and decoding for at least
-    ``steps`` more steps; yields the engine, aborts them after."""
+    ``steps`` more steps (greedy, or seeded draws at ``temperature``); yields the engine, aborts
+    them after."""
     from common import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=steps + 16, ignore_eos=True)
     ids = [f"check{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, [3 + (i + j) % 97 for j in range(context)], params)

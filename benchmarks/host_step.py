@@ -3,6 +3,7 @@ outputs) costs each step, per request, with the model's work taken away.
 
     python -m benchmarks.host_step                      # batches 1, 64, 256; ~30 s on 2 cores
     python -m benchmarks.host_step --batches 64 --steps 100
+    python -m benchmarks.host_step --temperature 0.6    # random draws: the sampler's rows too
 
 The model is the ``host-overhead`` dummy shape (one layer, hidden 64, ``common/models/shapes.py``):
 its forward is a few dozen microsecond-scale ops, so a step's wall time is the host's. On a GPU
@@ -24,7 +25,9 @@ import torch
 from benchmarks.gpu_check_measure import decoding
 
 
-def measure(batches: list[int], context: int, steps: int, repeat: int, freeze: bool) -> list[dict]:
+def measure(
+    batches: list[int], context: int, steps: int, repeat: int, freeze: bool, temperature: float
+) -> list[dict]:
     from common import LLM
     from common.host_memory import freeze_startup_objects
     from common.models.shapes import write_dummy_shape
@@ -35,7 +38,7 @@ def measure(batches: list[int], context: int, steps: int, repeat: int, freeze: b
     if freeze:  # what the engine-core process does once its engine is built
         freeze_startup_objects()
     for batch in batches:
-        with decoding(llm, batch, context, (repeat + 1) * steps + 8) as _:
+        with decoding(llm, batch, context, (repeat + 1) * steps + 8, temperature) as _:
             for _ in range(steps):  # warm
                 engine.step()
             best = float("inf")
@@ -60,9 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeat", type=int, default=3, help="timed rounds; the best is kept")
     p.add_argument("--freeze", action="store_true", help="gc.freeze() after startup, as a node")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (argmax)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    rows = measure(args.batches, args.context, args.steps, args.repeat, args.freeze)
+    rows = measure(
+        args.batches, args.context, args.steps, args.repeat, args.freeze, args.temperature
+    )
     print(f"{'batch':>6} {'step ms':>9} {'us per added request':>21}")
     for r in rows:
         added = r.get("us_per_added_request")

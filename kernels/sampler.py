@@ -34,10 +34,10 @@ the kernels keep every tie).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -388,22 +388,62 @@ class RowParams(NamedTuple):
     new_tokens: tuple[int, ...] = ()  # output tokens pass 1 adds to the slot's counts first
 
 
-def pack_params(rows: Sequence[RowParams]) -> list[int]:
-    """The rows as ``PARAM_WORDS`` int32 words each (one upload for the step): the seed's low and
-    high words, the position's low word, ``top_k``, the float32 bits of temperature, top_p and
-    min_p, ``slot``, the bits of the three penalties, the number of new tokens and up to
-    :data:`NEW_TOKENS` of them."""
-    words: list[int] = []
-    for r in rows:
-        check(len(r.new_tokens) <= NEW_TOKENS, f"at most {NEW_TOKENS} new tokens per row")
-        floats = struct.unpack("<3i", struct.pack("<3f", r.temperature, r.top_p, r.min_p))
-        penalties = struct.unpack("<3i", struct.pack("<3f", r.repetition, r.frequency, r.presence))
-        lo, hi = struct.unpack("<2i", struct.pack("<Q", r.seed))
-        pos_lo = struct.unpack("<i", struct.pack("<I", r.position & _M32))[0]
-        new = list(r.new_tokens) + [-1] * (NEW_TOKENS - len(r.new_tokens))
-        top_k = max(min(r.top_k, 2**31 - 1), 0)
-        words += [lo, hi, pos_lo, top_k, *floats, r.slot, *penalties, len(r.new_tokens), *new]
+def pack_params(rows: Sequence[RowParams]) -> np.ndarray:
+    """The rows as ``(B, PARAM_WORDS)`` int32 (one upload for the step): :func:`pack_columns` of
+    their fields."""
+    if not rows:
+        return np.empty((0, PARAM_WORDS), dtype=np.int32)
+    return pack_columns(*zip(*rows, strict=True))
+
+
+def pack_columns(
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+    seed: Sequence[int],
+    position: Sequence[int],
+    slot: Sequence[int] | None = None,
+    repetition: Sequence[float] | None = None,
+    frequency: Sequence[float] | None = None,
+    presence: Sequence[float] | None = None,
+    new_tokens: Sequence[tuple[int, ...]] | None = None,
+) -> np.ndarray:
+    """:class:`RowParams`' fields, a column each (the penalties' ``None``: no row has any), as
+    ``(B, PARAM_WORDS)`` int32 rows, packed by numpy (a step samples hundreds of rows): the
+    seed's low and high words, the position's low word, ``top_k`` (clamped to [0, 2**31 - 1]),
+    the float32 bits of temperature, top_p and min_p, ``slot``, the bits of the three penalties,
+    the number of new tokens and up to :data:`NEW_TOKENS` of them (-1 after the last)."""
+    words = np.empty((len(temperature), PARAM_WORDS), dtype=np.int32)
+    seeds = np.asarray(seed, dtype=np.uint64)  # (a negative or 65-bit seed raises)
+    words[:, 0] = (seeds & _M32).astype(np.uint32).view(np.int32)
+    words[:, 1] = (seeds >> np.uint64(32)).astype(np.uint32).view(np.int32)
+    positions = np.asarray(position, dtype=np.uint64) & _M32  # the noise hashes the low word
+    words[:, 2] = positions.astype(np.uint32).view(np.int32)
+    words[:, 3] = np.clip(np.asarray(top_k, dtype=np.int64), 0, 2**31 - 1)
+    floats = np.asarray([temperature, top_p, min_p], dtype=np.float32)
+    words[:, 4:7] = floats.view(np.int32).T
+    if slot is None:
+        words[:, 7:16] = _NO_PENALTY_WORDS
+        return words
+    words[:, 7] = slot
+    penalties = np.asarray([repetition, frequency, presence], dtype=np.float32)
+    words[:, 8:11] = penalties.view(np.int32).T
+    assert new_tokens is not None
+    counts = np.fromiter(map(len, new_tokens), dtype=np.int64, count=len(new_tokens))
+    check(bool((counts <= NEW_TOKENS).all()), f"at most {NEW_TOKENS} new tokens per row")
+    words[:, 11] = counts
+    words[:, 12:16] = -1
+    for row in np.flatnonzero(counts):  # only rows with penalties have new tokens
+        words[row, 12 : 12 + counts[row]] = new_tokens[row]
     return words
+
+
+# words 7-15 of a row without penalties: no slot, neutral penalties, no new tokens
+_NO_PENALTY_WORDS = np.array(
+    [-1, *np.array([1.0, 0.0, 0.0], dtype=np.float32).view(np.int32), 0] + [-1] * NEW_TOKENS,
+    dtype=np.int32,
+)
 
 
 def _check_args(logits: torch.Tensor, params: torch.Tensor, counts: torch.Tensor) -> None:
