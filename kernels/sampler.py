@@ -20,9 +20,9 @@ surely the row's largest (each tile's top ``CAND``: every value above the larges
 ``CAND``-th values); a row with no filter picks among the tile winners. A row whose prefix runs
 past them (top-p or min-p without a small top-k over a flat distribution) reads its logits again
 in pass 2: a search on the order of the float bits for each threshold, testing :data:`PIVOTS`
-keys per read of the row (at most 10 reads for one cut, 19 for top-k and top-p, where a bisection
-took 35 and 69). Greedy rows (temperature 0) take the largest logit, lowest id first, as
-``argmax``.
+keys per read of the row (at most 10 reads for top-p, 11 for top-k, 19 for both, where a
+bisection took 35, 36 and 69). Greedy rows (temperature 0) take the largest logit, lowest id
+first, as ``argmax``.
 
 Three implementations of one contract: :func:`sample_tokens` (Triton; CUDA),
 :func:`sample_tokens_cpu` (``csrc/sampler_cpu.c``, one native call) and :func:`ref_sample_tokens`
