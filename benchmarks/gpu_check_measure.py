@@ -297,7 +297,7 @@ def host_step(ctx: Context) -> list[Row]:
     p = ctx.profile
     release_shared(ctx)  # the shared engine's memory back before a second engine starts
     rows = []
-    for r in measure(list(p.batches), 16, 30, 2, freeze=False):
+    for r in measure(list(p.batches), 16, 30, 2, freeze=False, temperature=0.0):
         step_ms = ctx.shared.get(f"step_ms_b{r['batch']}")
         ratio = f", {r['step_ms'] / step_ms:.2f}x the device's step" if step_ms else ""
         rows.append(Row.perf(f"host work per decode step, b{r['batch']}", None,
