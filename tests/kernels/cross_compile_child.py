@@ -39,7 +39,8 @@ MAX_TOKENS = 8192  # max_num_batched_tokens: every prefill BLOCK_M is reachable
 
 # Kernels whose register spills (ptxas -v, bytes stored per thread) the compile answer carries
 # on sm_90: the attention tiles sized for it.
-SPILL_CHECKED = ("_paged_prefill_attention_kernel", "_paged_decode_attention_kernel")
+SPILL_CHECKED = ("_paged_prefill_attention_kernel", "_paged_decode_attention_kernel")  # sm_90
+SPILL_CHECKED_EVERYWHERE = ("_sample_pick_kernel",)  # its search tile once spilled on sm_80
 
 
 def _variants(log: CompileLog) -> list[dict[str, Any]]:
@@ -59,7 +60,9 @@ def _variants(log: CompileLog) -> list[dict[str, Any]]:
 
 
 def _spill_stores(variant: Variant) -> int | None:
-    checked = variant.kernel in SPILL_CHECKED and variant.compiled.metadata.target.arch >= 90
+    checked = variant.kernel in SPILL_CHECKED_EVERYWHERE or (
+        variant.kernel in SPILL_CHECKED and variant.compiled.metadata.target.arch >= 90
+    )
     return resources(variant).spill_stores if checked else None
 
 
