@@ -409,19 +409,6 @@ class ModelRunner:
             drafts = s.spec_token_ids
             owners.append(r.request_id)
             counts.append(len(drafts) + 1)
-            if not drafts:  # the common row, written out: this loop runs for every request
-                rows.append(
-                    SampleRow(
-                        r.sampling_params,
-                        r.seed,
-                        position,
-                        r.prompt_token_ids,
-                        r.output_token_ids,
-                        r.eos_token_id,
-                        r.request_id,
-                    )
-                )
-                continue
             for j in range(len(drafts) + 1):
                 outputs = r.output_token_ids + drafts[:j] if j else r.output_token_ids
                 rows.append(

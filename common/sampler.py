@@ -47,7 +47,7 @@ class SampleRow:
 # Fields of every row read at C speed (``map``): the checks below run over each row, each step.
 _position = operator.attrgetter("position")
 _min_tokens = operator.attrgetter("params.min_tokens")
-_temperature = operator.attrgetter("params.temperature")
+_greedy = operator.attrgetter("params.greedy")
 _logprobs_wanted = operator.attrgetter("params.logprobs")
 # RowParams' first six fields: temperature, top_k, top_p, min_p, seed, position
 _sample_fields = operator.attrgetter(
@@ -86,7 +86,7 @@ class Sampler:
         penalised = [r for r in rows if r.params.needs_penalties]
         if penalised and not fits(penalised):  # a count would overflow its 15 bits
             logits, penalised = _apply_penalties(logits, rows), []
-        if not penalised and _all_greedy(rows):
+        if not penalised and all(map(_greedy, rows)):
             token_ids = logits.argmax(dim=-1)
         else:
             slots = self._slots(rows, logits) if penalised else [None] * len(rows)
@@ -145,12 +145,6 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words[:, :, None] >> shifts) & 1).bool().view(B, -1)[:, :V]
     return logits.masked_fill(~allowed, float("-inf"))
-
-
-def _all_greedy(rows: list[SampleRow]) -> bool:
-    """Every row's ``params.greedy``."""
-    temperatures = list(map(_temperature, rows))
-    return temperatures.count(0.0) == len(temperatures)
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -189,7 +189,7 @@ class Scheduler:
             if num_new <= 0:  # waits for its output in flight, or stops there
                 index += 1
                 continue
-            drafts = self._take_drafts(request, num_new, budget) if request.spec_token_ids else []
+            drafts = self._take_drafts(request, num_new, budget)
             num_new += len(drafts)
             if not self._allocate_or_preempt(request, index, num_new, out):
                 continue  # ``request`` itself was preempted; ``running`` shrank
